@@ -1,0 +1,149 @@
+"""Typed registrations that plugins return from the collection hooks.
+
+A spec is a frozen record: the component's ``name``, a lazy ``factory`` string
+(``"package.module:attribute"``, imported only when the component is built), an options
+class, a one-line description, and what it provides or requires. The core fills in
+``provenance`` (which distribution, version and entry point registered it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import attrs
+
+from .errors import PluginError
+from .options import NoOptions, build_options
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+
+@attrs.frozen
+class Provenance:
+    """Where a spec came from."""
+
+    plugin: str  # entry point name (or "builtin")
+    distribution: str
+    version: str
+    entry_point: str  # "name = module" as declared
+
+    def describe(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+
+def _check_factory(_instance: Any, _attribute: Any, value: str) -> None:
+    if not isinstance(value, str) or not _FACTORY.match(value):
+        raise PluginError(f"factory must be a 'package.module:attribute' string, got {value!r}")
+
+
+def _check_name(_instance: Any, _attribute: Any, value: str) -> None:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise PluginError(f"component name must be lowercase letters, digits, '-' or '_', got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ComponentSpec:
+    """Fields shared by every kind of spec."""
+
+    kind = "component"
+
+    name: str = attrs.field(validator=_check_name)
+    factory: str = attrs.field(validator=_check_factory)
+    options: type = NoOptions
+    description: str = ""
+    provenance: Provenance | None = None
+
+    def load_factory(self) -> Any:
+        """Import and return the object named by ``factory``."""
+        module_name, _, attr = self.factory.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:  # noqa: BLE001 - reported with the spec's provenance
+            origin = f" from {self.provenance.describe()}" if self.provenance else ""
+            raise PluginError(
+                f"{self.kind} '{self.name}'{origin}: cannot load factory {self.factory!r}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return obj
+
+    def build_options(self, values: dict[str, Any] | None = None) -> Any:
+        return build_options(self.options, values, section=self.kind)
+
+    def origin(self) -> str:
+        return f"{self.kind} '{self.name}'" + (f" ({self.provenance.describe()})" if self.provenance else "")
+
+
+@attrs.frozen(kw_only=True)
+class StrategySpec(ComponentSpec):
+    """A draft algorithm.
+
+    ``requires`` lists target-engine capabilities it needs (e.g. ``"aux_hidden_states"``,
+    ``"last_hidden"``, ``"verify"``); ``best_metric`` names the eval metric that picks the
+    best checkpoint and whether higher is better.
+    """
+
+    kind = "strategy"
+    requires: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    best_metric: str = "loss"
+    best_mode: str = attrs.field(default="min", validator=attrs.validators.in_(("min", "max")))
+
+
+@attrs.frozen(kw_only=True)
+class TargetEngineSpec(ComponentSpec):
+    """Something that runs the target model and produces features."""
+
+    kind = "target_engine"
+    capabilities: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+
+
+@attrs.frozen(kw_only=True)
+class FeatureStoreSpec(ComponentSpec):
+    """Where feature tensors live (``"cross_process"``, ``"consume_once"``, ``"retain"``...)."""
+
+    kind = "feature_store"
+    capabilities: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+
+
+@attrs.frozen(kw_only=True)
+class ControlPlaneSpec(ComponentSpec):
+    """How sample metadata flows and is acknowledged (``"durable"``, ``"cross_process"``...)."""
+
+    kind = "control_plane"
+    capabilities: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+
+
+#: kind name -> (spec class, hook name)
+SPEC_KINDS: dict[str, tuple[type[ComponentSpec], str]] = {
+    "strategy": (StrategySpec, "specforge_strategies"),
+    "target_engine": (TargetEngineSpec, "specforge_target_engines"),
+    "feature_store": (FeatureStoreSpec, "specforge_feature_stores"),
+    "control_plane": (ControlPlaneSpec, "specforge_control_planes"),
+}
+
+#: First-party component names and the distribution that provides each.
+FIRST_PARTY = {
+    ("strategy", "eagle3"): "specforge-plugin-eagle3",
+    ("strategy", "dflash"): "specforge-plugin-dflash",
+    ("strategy", "domino"): "specforge-plugin-domino",
+    ("target_engine", "hf"): "specforge-plugin-hf",
+    ("target_engine", "sglang"): "specforge-plugin-sglang",
+    ("feature_store", "mooncake"): "specforge-plugin-mooncake",
+}
+
+
+def check_capabilities(strategy: StrategySpec, engine: TargetEngineSpec) -> None:
+    """Fail, naming both plugins, when the engine cannot give what the strategy needs."""
+    from .errors import CapabilityError
+
+    missing = sorted(strategy.requires - engine.capabilities)
+    if missing:
+        raise CapabilityError(
+            f"{strategy.origin()} requires {', '.join(missing)}, which {engine.origin()} "
+            f"does not provide (it provides: {', '.join(sorted(engine.capabilities)) or 'nothing'}). "
+            "Choose another --target-engine or strategy."
+        )
