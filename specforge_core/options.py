@@ -12,6 +12,7 @@ that name the key and the accepted form.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Any, Callable, Mapping
@@ -21,7 +22,7 @@ import yaml
 
 from .errors import OptionError
 
-_NO_CHECK = None
+_SCIENTIFIC = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
 def option(default: Any = attrs.NOTHING, doc: str = "", *, check: Callable[[Any], str | None] | None = None,
@@ -168,9 +169,13 @@ def build_options(cls: type, values: Mapping[str, Any] | None, *, section: str) 
 def parse_set_value(text: str) -> Any:
     """Parse the value half of ``--set key=value`` with YAML scalars (``1e-4``, ``[1, 2]``, ``true``)."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
+    # YAML 1.1 reads "3e-4" as a string; people mean the number.
+    if isinstance(value, str) and _SCIENTIFIC.match(value):
+        return float(value)
+    return value
 
 
 def describe_options(cls: type) -> list[dict[str, Any]]:

@@ -52,7 +52,7 @@ def _env_list(environ: Mapping[str, str], key: str) -> set[str] | None:
     raw = environ.get(key)
     if raw is None or not raw.strip():
         return None
-    return {_normalize(part) for part in raw.split(",") if part.strip()}
+    return {_normalize(part.strip()) for part in raw.split(",") if part.strip()}
 
 
 @attrs.define

@@ -88,3 +88,50 @@ class ControlPlane(Protocol):
     channel: RefChannel
 
     def close(self) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class TargetInfo:
+    """What a target engine tells strategies about the target model."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str = "float32"
+    model_id: str = ""
+    chat_template: str | None = None
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class CapturePlan:
+    """Which target layers a strategy needs and the features it will read from a sample.
+
+    ``layer_ids`` are decoder-layer indices (layer id i = transformers ``hidden_states[i+1]``),
+    concatenated in this order into the ``aux_hidden`` / ``target_hidden`` feature;
+    ``last_hidden`` asks for the lm_head input; ``features`` maps each stored feature name
+    to its :class:`~specforge_core.contracts.FeatureSpec` (``-1`` for the sequence length).
+    """
+
+    layer_ids: tuple[int, ...] = attrs.field(converter=tuple, factory=tuple)
+    last_hidden: bool = False
+    features: dict[str, Any] = attrs.field(factory=dict)
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A draft algorithm, built by its spec's factory as ``factory(options, context)``.
+
+    ``capture_plan`` says what to capture; ``build_model`` returns the trainable draft (an
+    ``nn.Module``; frozen target parts it uses are buffers or frozen parameters);
+    ``collate`` turns stored samples into a :class:`TrainBatch`; ``forward_loss`` returns a
+    :class:`StepOutput` with ratio metrics as (numerator, denominator).
+    """
+
+    def capture_plan(self, target: TargetInfo) -> CapturePlan: ...
+
+    def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any]) -> Any: ...
+
+    def collate(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str]) -> Any: ...
+
+    def forward_loss(self, model: Any, batch: Any, ctx: Any) -> Any: ...

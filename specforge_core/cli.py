@@ -1,0 +1,170 @@
+"""The ``specforge`` command line.
+
+``specforge --help``, ``--version`` and ``plugins`` must stay light: nothing here imports
+torch, and plugins are asked only for their specs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import CapabilityError, OptionError, PluginError, SpecforgeError, UnknownComponentError
+from .plugins import get_plugin_manager
+from .specs import SPEC_KINDS
+
+_USAGE_ERRORS = (OptionError, UnknownComponentError, CapabilityError, PluginError)
+
+
+def _fail(exc: SpecforgeError) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(2 if isinstance(exc, _USAGE_ERRORS) else 1)
+
+
+def _version_text() -> str:
+    lines = [f"specforge-core {__version__}"]
+    for record in get_plugin_manager().plugin_list():
+        if record["name"] == "builtin":
+            continue
+        status = "" if record["status"] == "active" else f" ({record['status']})"
+        lines.append(f"  {record['name']}: {record['distribution']} {record['version']}{status}")
+    return "\n".join(lines)
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    click.echo(_version_text())
+    ctx.exit()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the core version and every plugin's name and version.")
+def cli() -> None:
+    """Train draft models for speculative decoding (EAGLE3, DFlash, Domino, ...).
+
+    Every algorithm and backend is a plugin. `specforge plugins` lists what is installed;
+    `specforge run --strategy NAME` trains a draft.
+    """
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a JSON list, one entry per plugin.")
+def plugins(as_json: bool) -> None:
+    """List installed plugins, their versions, status and what they provide."""
+    manager = get_plugin_manager()
+    records = manager.plugin_list()
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+    else:
+        for record in records:
+            provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in record["provides"].items() if names)
+            click.echo(f"{record['name']:<12} {record['distribution']} {record['version']}  [{record['status']}]"
+                       + (f"  {provides}" if provides else ""))
+            if record["error"]:
+                click.echo(f"{'':<12} error: {record['error']}")
+    for message in manager.conflicts():
+        click.echo(f"conflict: {message}", err=True)
+
+
+@cli.command()
+@click.argument("kind", type=click.Choice(sorted(SPEC_KINDS)))
+@click.argument("name")
+def options(kind: str, name: str) -> None:
+    """Describe the options of one component (`specforge options strategy eagle3`).
+
+    Set them in a config file section or with `--set KIND.OPTION=VALUE` on `specforge run`.
+    """
+    from .options import describe_options
+
+    try:
+        spec = get_plugin_manager().get(kind, name)
+    except SpecforgeError as exc:
+        _fail(exc)
+    click.echo(f"{spec.origin()}: {spec.description}")
+    rows = describe_options(spec.options)
+    if not rows:
+        click.echo("  (no options)")
+    for row in rows:
+        click.echo(f"  {kind}.{row['name']} ({row['type']}, default {row['default']!r})")
+        if row["doc"]:
+            click.echo(f"      {row['doc']}")
+
+
+def _component_option(kind: str) -> Any:
+    flag = "--" + kind.replace("_", "-")
+    return click.option(flag, kind, default=None, metavar="NAME",
+                        help=f"The {kind.replace('_', ' ')} plugin to use (see `specforge plugins`).")
+
+
+@cli.command()
+@_component_option("strategy")
+@_component_option("target_engine")
+@_component_option("feature_store")
+@_component_option("control_plane")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="YAML run configuration; flags and --set override it.")
+@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one option, e.g. --set train.lr=1e-4 --set strategy.ttt_length=5 (repeatable).")
+@click.option("--output", default=None, type=click.Path(file_okay=False), help="Run output directory.")
+@click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
+@click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
+def run(strategy: str | None, target_engine: str | None, feature_store: str | None, control_plane: str | None,
+        config_path: str | None, assignments: tuple[str, ...], output: str | None, run_id: str | None,
+        dry_run: bool) -> None:
+    """Train a draft model.
+
+    Components are resolved from installed plugins; every option is validated before
+    anything heavy is built. Example:
+
+        specforge run --strategy eagle3 --set train.max_steps=200 --output out/
+    """
+    from .config import apply_sets, load_config_file, resolve_plan
+
+    try:
+        raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
+        flags = {"strategy": strategy, "target_engine": target_engine, "feature_store": feature_store,
+                 "control_plane": control_plane}
+        for kind, name in flags.items():
+            if name:
+                body = raw.get(kind)
+                body = {"name": body} if isinstance(body, str) else dict(body or {})
+                body["name"] = name
+                raw[kind] = body
+        if output:
+            raw["output"] = output
+        if run_id:
+            raw["run_id"] = run_id
+        raw = apply_sets(raw, assignments)
+        plan = resolve_plan(get_plugin_manager(), raw)
+    except SpecforgeError as exc:
+        _fail(exc)
+    if dry_run:
+        click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
+        return
+    click.echo("error: training is not available in this version; use --dry-run to validate a plan", err=True)
+    sys.exit(1)
+
+
+def build_cli() -> click.Group:
+    """The CLI with every plugin's sub-commands added."""
+    manager = get_plugin_manager()
+    manager.hook.specforge_add_commands(cli=cli)
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        command = build_cli()
+    except SpecforgeError as exc:
+        _fail(exc)
+    command.main(args=argv, prog_name="specforge")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

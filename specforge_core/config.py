@@ -1,0 +1,183 @@
+"""Run configuration: YAML file < command-line flags < ``--set section.key=value``.
+
+A config file looks like this (every section optional)::
+
+    strategy: {name: eagle3, ttt_length: 7}     # or just `strategy: eagle3`
+    target_engine: {name: hf, model: /models/Qwen3-8B, dtype: bfloat16}
+    feature_store: memory
+    control_plane: local
+    train: {batch_size: 4, lr: 1e-4, max_steps: 2000}
+    data: {path: chats.jsonl, max_length: 2048}
+    output: out/
+
+Component sections hold ``name`` plus that component's options; ``train`` and ``data``
+hold the core's :class:`TrainOptions` and :class:`DataOptions`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Mapping, Sequence
+
+import attrs
+import yaml
+
+from .errors import OptionError
+from .options import build_options, fraction, non_negative, option, options_to_dict, parse_set_value, positive
+from .plugins import PluginManager
+from .specs import SPEC_KINDS, ComponentSpec, check_capabilities
+
+COMPONENT_SECTIONS = tuple(SPEC_KINDS)  # strategy, target_engine, feature_store, control_plane
+SECTIONS = COMPONENT_SECTIONS + ("train", "data")
+TOP_LEVEL = SECTIONS + ("output", "run_id", "features")
+
+DEFAULTS = {"target_engine": "hf", "control_plane": "local"}
+
+
+@attrs.frozen
+class TrainOptions:
+    """How the training loop runs (the ``train`` section)."""
+
+    batch_size: int = option(4, "Samples per micro-batch on each rank.", check=positive)
+    accumulation_steps: int = option(1, "Micro-batches per optimizer update.", check=positive)
+    lr: float = option(1e-4, "Peak learning rate of AdamW.", check=positive)
+    min_lr_ratio: float = option(0.0, "Cosine floor as a fraction of lr.", check=fraction)
+    weight_decay: float = option(0.0, "AdamW weight decay.", check=non_negative)
+    warmup_steps: int = option(0, "Linear warmup length in optimizer steps.", check=non_negative)
+    schedule: str = option("cosine", "LR schedule after warmup.", choices=("cosine", "constant"))
+    max_steps: int | None = option(None, "Optimizer steps to run; None derives it from epochs and data size.",
+                                   check=positive)
+    epochs: int = option(1, "Passes over a fixed (offline) dataset.", check=positive)
+    max_grad_norm: float = option(1.0, "Clip the global gradient norm to this (0 disables clipping).",
+                                  check=non_negative)
+    seed: int = option(0, "Seed for initialisation, shuffling and anchor sampling.")
+    log_every: int = option(1, "Write metrics every N optimizer steps.", check=positive)
+    eval_every: int = option(0, "Evaluate every N optimizer steps (0: only at the end).", check=non_negative)
+    save_every: int = option(0, "Checkpoint every N optimizer steps (0: only at the end).", check=non_negative)
+    keep_last: int = option(2, "Checkpoints kept by rotation (best is never deleted).", check=positive)
+    device: str = option("auto", "Training device: auto, cpu, cuda.", choices=("auto", "cpu", "cuda"))
+
+
+@attrs.frozen
+class DataOptions:
+    """What conversations feed the run (the ``data`` section)."""
+
+    path: str | None = option(None, "Training JSONL; None uses the bundled toy conversations.")
+    eval_path: str | None = option(None, "Held-out JSONL for evaluation; None uses the bundled eval split.")
+    max_length: int = option(2048, "Truncate tokenized samples to this many tokens.", check=positive)
+    last_turn_only: bool = option(False, "Supervise only the last assistant turn.")
+    strict: bool = option(False, "Make a malformed row fatal instead of skipping and counting it.")
+    max_samples: int | None = option(None, "Use at most this many training samples.", check=positive)
+
+
+@attrs.frozen(kw_only=True)
+class ResolvedComponent:
+    spec: ComponentSpec
+    options: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        prov = self.spec.provenance
+        return {
+            "name": self.spec.name,
+            "plugin": prov.plugin if prov else None,
+            "distribution": prov.distribution if prov else None,
+            "version": prov.version if prov else None,
+            "options": options_to_dict(self.options),
+        }
+
+
+@attrs.frozen(kw_only=True)
+class RunPlan:
+    """Everything a run needs, resolved and validated, before anything heavy is built."""
+
+    components: dict[str, ResolvedComponent]
+    train: TrainOptions
+    data: DataOptions
+    output: str
+    run_id: str
+    features: str | None = None
+
+    def __getitem__(self, kind: str) -> ResolvedComponent:
+        return self.components[kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "output": self.output,
+            "features": self.features,
+            **{kind: comp.to_dict() for kind, comp in self.components.items()},
+            "train": options_to_dict(self.train),
+            "data": options_to_dict(self.data),
+        }
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle) or {}
+    except FileNotFoundError:
+        raise OptionError(f"config file {os.fspath(path)!r} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise OptionError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"config file {os.fspath(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if isinstance(value, str) and name in COMPONENT_SECTIONS:
+        return {"name": value}
+    if not isinstance(value, dict):
+        raise OptionError(f"section '{name}' must be a mapping (or a component name), got {value!r}")
+    return dict(value)
+
+
+def apply_sets(raw: dict[str, Any], assignments: Sequence[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` assignments to a raw config mapping (returns a copy)."""
+    raw = copy.deepcopy(raw)
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not sep or not dot or not field or "." in field:
+            raise OptionError(f"--set {item!r}: expected the form section.key=value (e.g. train.lr=1e-4); "
+                              f"sections: {', '.join(SECTIONS)}")
+        if section not in SECTIONS:
+            raise OptionError(f"--set {item!r}: unknown section '{section}'; sections: {', '.join(SECTIONS)}")
+        body = _section(raw, section)
+        body[field] = parse_set_value(value)
+        raw[section] = body
+    return raw
+
+
+def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feature_store: str | None = None) -> RunPlan:
+    """Validate a raw config against the installed plugins and return the run plan.
+
+    Fails before anything heavy is built: unknown sections or options, bad values, unknown
+    component names, and a strategy whose requirements the target engine cannot meet.
+    """
+    raw = dict(raw)
+    unknown = sorted(set(raw) - set(TOP_LEVEL))
+    if unknown:
+        raise OptionError(f"unknown config section '{unknown[0]}'; sections: {', '.join(TOP_LEVEL)}")
+    features = raw.get("features")
+    defaults = dict(DEFAULTS, feature_store=default_feature_store or ("disk" if features else "memory"))
+    components: dict[str, ResolvedComponent] = {}
+    for kind in COMPONENT_SECTIONS:
+        body = _section(raw, kind)
+        name = body.pop("name", None) or defaults.get(kind)
+        if not name:
+            raise OptionError(f"no {kind.replace('_', ' ')} chosen: pass --{kind.replace('_', '-')} NAME "
+                              f"or set {kind}.name in the config")
+        spec = manager.get(kind, str(name))
+        components[kind] = ResolvedComponent(spec=spec, options=spec.build_options(body))
+    check_capabilities(components["strategy"].spec, components["target_engine"].spec)
+    train = build_options(TrainOptions, _section(raw, "train"), section="train")
+    data = build_options(DataOptions, _section(raw, "data"), section="data")
+    run_id = str(raw.get("run_id") or "run")
+    output = str(raw.get("output") or os.path.join("runs", run_id))
+    return RunPlan(components=components, train=train, data=data, output=output, run_id=run_id,
+                   features=str(features) if features else None)
