@@ -108,12 +108,14 @@ class CapturePlan:
     """Which target layers a strategy needs and the features it will read from a sample.
 
     ``layer_ids`` are decoder-layer indices (layer id i = transformers ``hidden_states[i+1]``),
-    concatenated in this order into the ``aux_hidden`` / ``target_hidden`` feature;
+    concatenated in this order into the feature named ``hidden_feature`` (EAGLE3:
+    ``aux_hidden``, DFlash: ``target_hidden``);
     ``last_hidden`` asks for the lm_head input; ``features`` maps each stored feature name
     to its :class:`~specforge_core.contracts.FeatureSpec` (``-1`` for the sequence length).
     """
 
     layer_ids: tuple[int, ...] = attrs.field(converter=tuple, factory=tuple)
+    hidden_feature: str = "aux_hidden"
     last_hidden: bool = False
     features: dict[str, Any] = attrs.field(factory=dict)
 
@@ -135,3 +137,42 @@ class Strategy(Protocol):
     def collate(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str]) -> Any: ...
 
     def forward_loss(self, model: Any, batch: Any, ctx: Any) -> Any: ...
+
+
+@runtime_checkable
+class VerifySession(Protocol):
+    """A target forward with a KV cache, for speculative decoding.
+
+    ``extend(ids)`` runs the target over new tokens appended to the cached prefix and
+    returns, for those tokens only, ``logits [n, V]`` plus the plan's features
+    (``hidden_feature [n, k*H]``, ``last_hidden [n, H]`` when asked); ``truncate(length)``
+    drops cached positions at and beyond ``length`` (rejected draft tokens).
+    """
+
+    length: int
+
+    def extend(self, ids: Any) -> dict[str, Any]: ...
+
+    def truncate(self, length: int) -> None: ...
+
+
+@runtime_checkable
+class TargetEngine(Protocol):
+    """Runs the target model. Built by its spec's factory as ``factory(options, context)``.
+
+    ``capture(samples, plan)`` takes dicts with a 1-D ``input_ids`` tensor each and returns,
+    per sample and **unpadded**, the plan's features; ``frozen_parts()`` returns the target's
+    ``embed_tokens``, ``lm_head`` and ``norm`` weights (read-only, shared with drafts);
+    ``session(prompt_ids, plan)`` starts a :class:`VerifySession`.
+    """
+
+    def info(self) -> TargetInfo: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def capture(self, samples: Sequence[Mapping[str, Any]], plan: CapturePlan) -> list[dict[str, Any]]: ...
+
+    def frozen_parts(self) -> dict[str, Any]: ...
+
+    def session(self, prompt_ids: Any, plan: CapturePlan) -> VerifySession: ...
