@@ -7,6 +7,7 @@ torch, and plugins are asked only for their specs.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -113,10 +114,14 @@ def _component_option(kind: str) -> Any:
               help="Override one option, e.g. --set train.lr=1e-4 --set strategy.ttt_length=5 (repeatable).")
 @click.option("--output", default=None, type=click.Path(file_okay=False), help="Run output directory.")
 @click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
+@click.option("--features", default=None, type=click.Path(file_okay=False),
+              help="Train offline from a features directory written by `specforge capture`.")
+@click.option("--resume", default=None, metavar="latest|best|PATH",
+              help="Continue from a checkpoint of this run (weights, optimizer, schedule, RNG, data position).")
 @click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
 def run(strategy: str | None, target_engine: str | None, feature_store: str | None, control_plane: str | None,
         config_path: str | None, assignments: tuple[str, ...], output: str | None, run_id: str | None,
-        dry_run: bool) -> None:
+        features: str | None, resume: str | None, dry_run: bool) -> None:
     """Train a draft model.
 
     Components are resolved from installed plugins; every option is validated before
@@ -140,6 +145,8 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             raw["output"] = output
         if run_id:
             raw["run_id"] = run_id
+        if features:
+            raw["features"] = features
         raw = apply_sets(raw, assignments)
         plan = resolve_plan(get_plugin_manager(), raw)
     except SpecforgeError as exc:
@@ -147,8 +154,17 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     if dry_run:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
         return
-    click.echo("error: training is not available in this version; use --dry-run to validate a plan", err=True)
-    sys.exit(1)
+    from .runtime import execute
+
+    try:
+        summary = execute(plan, get_plugin_manager(), resume=resume)
+    except SpecforgeError as exc:
+        _fail(exc)
+    if int(os.environ.get("RANK", "0")) == 0:
+        best = summary["best"]
+        click.echo(f"done: {summary['steps']} steps, {summary['tokens_per_s']:.0f} tokens/s; "
+                   f"best {best['metric']}={best['value']} at step {best['step']}; summary in "
+                   f"{os.path.join(plan.output, 'summary.json')}")
 
 
 def build_cli() -> click.Group:

@@ -1,0 +1,177 @@
+"""Offline feature sets: a disk store of captured samples plus a manifest.
+
+``specforge capture`` writes one; ``specforge run --features DIR`` trains from it for many
+epochs without the target model. Layout of ``DIR``::
+
+    DIR/manifest.json               what was captured: strategy, capture plan, target info,
+                                    the frozen parts' fingerprint, sample counts per split
+    DIR/frozen_parts.safetensors    the target's embedding / lm_head / norm weights the draft
+                                    reuses (so training needs no target model)
+    DIR/store/                      the ``disk`` feature store (one safetensors file per sample)
+
+Every sample's ref carries ``meta["split"]`` (``train`` or ``eval``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from .contracts import FeatureSpec, SampleRef
+from .errors import SpecforgeError
+from .protocols import BuildContext, CapturePlan, TargetInfo
+
+MANIFEST = "manifest.json"
+FROZEN = "frozen_parts.safetensors"
+STORE_DIR = "store"
+FORMAT = "specforge-features"
+VERSION = 1
+
+
+class FeatureSetError(SpecforgeError):
+    """A features directory is missing, incomplete, or does not fit the strategy."""
+
+
+def frozen_fingerprint(parts: Mapping[str, Any]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of the frozen target tensors."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(parts):
+        tensor = parts[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def plan_to_dict(plan: CapturePlan) -> dict[str, Any]:
+    return {"layer_ids": list(plan.layer_ids), "hidden_feature": plan.hidden_feature, "last_hidden": plan.last_hidden,
+            "features": {k: (v.to_dict() if isinstance(v, FeatureSpec) else v) for k, v in plan.features.items()}}
+
+
+def plan_from_dict(data: Mapping[str, Any]) -> CapturePlan:
+    return CapturePlan(layer_ids=tuple(data["layer_ids"]), hidden_feature=data["hidden_feature"],
+                       last_hidden=data["last_hidden"],
+                       features={k: FeatureSpec.from_dict(v) for k, v in data["features"].items()})
+
+
+def _store_options(path: Path, consume_once: bool = False) -> Any:
+    from .builtin import DiskStoreOptions
+
+    return DiskStoreOptions(path=str(path), consume_once=consume_once)
+
+
+@attrs.define
+class FeatureSet:
+    """An opened features directory."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> FeatureSet:
+        path = Path(path)
+        manifest_path = path / MANIFEST
+        if not manifest_path.exists():
+            raise FeatureSetError(f"{path} is not a features directory (no {MANIFEST}); "
+                                  "create one with `specforge capture`")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise FeatureSetError(f"{manifest_path} is not valid JSON: {exc}") from None
+        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise FeatureSetError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest")
+        if not (path / FROZEN).exists():
+            raise FeatureSetError(f"{path} has no {FROZEN}: the capture did not finish")
+        return cls(path=path, manifest=manifest)
+
+    @property
+    def target(self) -> TargetInfo:
+        return TargetInfo(**self.manifest["target"])
+
+    @property
+    def plan(self) -> CapturePlan:
+        return plan_from_dict(self.manifest["capture_plan"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["frozen_fingerprint"]
+
+    def frozen_parts(self) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path / FROZEN))
+
+    def open_store(self, context: BuildContext) -> Any:
+        from .feature_stores.disk import DiskFeatureStore
+
+        return DiskFeatureStore(_store_options(self.path / STORE_DIR), context)
+
+    def refs(self, store: Any, split: str) -> list[SampleRef]:
+        """Refs of one split, in a stable order (sorted by sample id)."""
+        return sorted((r for r in store.scan() if r.meta.get("split", "train") == split), key=lambda r: r.sample_id)
+
+    def check_plan(self, plan: CapturePlan, strategy: str) -> None:
+        """Fail unless the stored features provide what the strategy's capture plan needs."""
+        stored = self.plan
+        for name, want in plan.features.items():
+            have = stored.features.get(name)
+            if have is None:
+                raise FeatureSetError(f"{self.path} has no feature '{name}' that strategy '{strategy}' needs "
+                                      f"(it has: {', '.join(sorted(stored.features))}); capture again with "
+                                      f"--strategy {strategy}")
+            if not want.accepts(have):
+                raise FeatureSetError(f"feature '{name}' in {self.path} is {have.to_dict()}, strategy '{strategy}' "
+                                      f"needs {want.to_dict()}")
+        if tuple(plan.layer_ids) != tuple(stored.layer_ids):
+            raise FeatureSetError(f"{self.path} holds target layers {list(stored.layer_ids)}, strategy '{strategy}' "
+                                  f"needs {list(plan.layer_ids)}; capture again with the same options")
+
+
+def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_options: Mapping[str, Any],
+                       plan: CapturePlan, target: TargetInfo, frozen_parts: Mapping[str, Any],
+                       context: BuildContext) -> tuple[Path, Any]:
+    """Start (or reopen, to resume a capture) a features directory; returns (path, disk store).
+
+    The manifest is written first with ``complete: false``; call :func:`finish_feature_set`
+    when the capture is done.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fingerprint = frozen_fingerprint(frozen_parts)
+    manifest_path = path / MANIFEST
+    if manifest_path.exists():
+        existing = json.loads(manifest_path.read_text())
+        if existing.get("frozen_fingerprint") != fingerprint or existing.get("strategy") != strategy:
+            raise FeatureSetError(f"{path} already holds features of another target or strategy "
+                                  f"({existing.get('strategy')}); use a new --output directory")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "strategy": strategy, "strategy_options": dict(strategy_options),
+        "capture_plan": plan_to_dict(plan), "target": attrs.asdict(target), "frozen_fingerprint": fingerprint,
+        "complete": False, "samples": {},
+    }
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, manifest_path)
+    if not (path / FROZEN).exists():
+        save_file({k: v.detach().cpu().contiguous() for k, v in frozen_parts.items()}, str(path / f".{FROZEN}.tmp"))
+        os.replace(path / f".{FROZEN}.tmp", path / FROZEN)
+    from .feature_stores.disk import DiskFeatureStore
+
+    return path, DiskFeatureStore(_store_options(path / STORE_DIR), context)
+
+
+def finish_feature_set(path: str | os.PathLike[str], counts: Mapping[str, int], extra: Mapping[str, Any] | None = None) -> None:
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest.update({"complete": True, "samples": dict(counts), **dict(extra or {})})
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, path / MANIFEST)

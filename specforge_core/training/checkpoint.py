@@ -1,0 +1,251 @@
+"""Checkpoints: atomic directories, ``latest`` / ``best`` pointers, rotation, resume contract.
+
+Layout of ``{output}/{run_id}-step{N}/``::
+
+    model.safetensors          trainable draft weights (+ persistent buffers); frozen target
+                               parts are not saved, their fingerprint is in trainer_state.json
+    optim.rank{r}.safetensors  each rank's optimizer state tensors (its shard under FSDP2)
+    optim.rank{r}.json         the non-tensor optimizer state (param groups, scalars)
+    rng.rank{r}.safetensors    each rank's torch RNG state(s)
+    trainer_state.json         global step, epoch, data position, scheduler, best, contract
+
+The directory is written as ``.tmp-{name}`` and renamed into place by rank 0 after every
+rank has written its files, so a half-written checkpoint is never picked up. ``latest`` and
+``best`` are small files holding a checkpoint's directory name, replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import SpecforgeError
+from .distributed import DistInfo, barrier
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^(?P<run>.+)-step(?P<step>\d+)$")
+
+
+class CheckpointError(SpecforgeError):
+    """A checkpoint is missing, incomplete, or does not match the run resuming from it."""
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.detach().cpu().contiguous().clone()
+
+
+def model_state(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
+    """Full (gathered) state of trainable parameters and persistent buffers; frozen params left out.
+
+    A collective under FSDP2: every rank must call it; only rank 0's result is complete.
+    """
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if info.distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    return {k: v.detach().cpu().contiguous().clone() for k, v in state.items() if k not in frozen}
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], info: DistInfo) -> None:
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    expected = set(model.state_dict()) - frozen
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint weights do not fit the draft model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    if info.distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(state, strict=False)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into safetensors-able tensors and JSON metadata."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = _local(value)
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        index, _, key = name.partition(".")
+        param = params[int(index)]
+        if isinstance(param, DTensor) and value.dim() > 0:
+            value = DTensor.from_local(value.to(param.to_local().device), param.device_mesh, param.placements,
+                                       shape=param.shape, stride=param.stride())
+        elif value.dim() > 0:
+            value = value.to(param.device)
+        state.setdefault(int(index), {})[key] = value
+    for index, entry in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(entry)
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+class CheckpointManager:
+    """Saves, finds and rotates a run's checkpoints under ``output_dir``."""
+
+    def __init__(self, output_dir: str | os.PathLike[str], run_id: str, info: DistInfo, keep_last: int = 2) -> None:
+        self.output_dir = Path(output_dir)
+        self.run_id = run_id
+        self.info = info
+        self.keep_last = keep_last
+
+    # ------------------------------------------------------------------ save
+    def save(self, *, global_step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any], is_best: bool = False) -> Path:
+        """Write a checkpoint on every rank; returns its final path. Collective."""
+        name = f"{self.run_id}-step{global_step}"
+        final = self.output_dir / name
+        tmp = self.output_dir / f".tmp-{name}"
+        weights = model_state(model, self.info)  # collective under FSDP2
+        if self.info.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # leftover of a crash while saving this very step
+            tmp.mkdir(parents=True)
+        barrier(self.info)
+        rank = self.info.rank
+        opt_tensors, opt_meta = optimizer_state(optimizer)
+        save_file(opt_tensors, str(tmp / f"optim.rank{rank}.safetensors"))
+        (tmp / f"optim.rank{rank}.json").write_text(json.dumps(opt_meta))
+        save_file(rng_state(), str(tmp / f"rng.rank{rank}.safetensors"))
+        barrier(self.info)
+        if self.info.is_main:
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+            for path in tmp.iterdir():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.output_dir)
+            _atomic_write_text(self.output_dir / "latest", name + "\n")
+            if is_best:
+                _atomic_write_text(self.output_dir / "best", name + "\n")
+            self._rotate()
+        barrier(self.info)
+        return final
+
+    def _pointer(self, which: str) -> str | None:
+        path = self.output_dir / which
+        return path.read_text().strip() if path.exists() else None
+
+    def checkpoints(self) -> list[Path]:
+        """This run's complete checkpoints, oldest first."""
+        found = []
+        if not self.output_dir.exists():
+            return found
+        for path in self.output_dir.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and match["run"] == self.run_id and (path / STATE_FILE).exists():
+                found.append((int(match["step"]), path))
+        return [path for _step, path in sorted(found)]
+
+    def _rotate(self) -> None:
+        keep = {self._pointer("best"), self._pointer("latest")}
+        existing = self.checkpoints()
+        for path in existing[:-self.keep_last] if self.keep_last else existing:
+            if path.name not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def resolve(self, which: str) -> Path:
+        """``latest``, ``best`` or a path -> a complete checkpoint directory."""
+        if which in ("latest", "best"):
+            name = self._pointer(which)
+            if name is None:
+                raise CheckpointError(f"no '{which}' checkpoint in {self.output_dir}: nothing to resume "
+                                      "(run without --resume to start fresh)")
+            path = self.output_dir / name
+        else:
+            path = Path(which)
+        if not (path / STATE_FILE).exists() or not (path / "model.safetensors").exists():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE} or model.safetensors)")
+        return path
+
+    def load(self, path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore weights, this rank's optimizer and RNG state; return the trainer state."""
+        state = json.loads((path / STATE_FILE).read_text())
+        rank = self.info.rank
+        optim_file = path / f"optim.rank{rank}.safetensors"
+        if not optim_file.exists():
+            raise CheckpointError(f"{path} has no optimizer state for rank {rank}")
+        load_model_state(model, load_file(str(path / "model.safetensors")), self.info)
+        load_optimizer_state(optimizer, load_file(str(optim_file)),
+                             json.loads((path / f"optim.rank{rank}.json").read_text()))
+        set_rng_state(load_file(str(path / f"rng.rank{rank}.safetensors")))
+        return state
+
+
+def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse a resume whose contract changed, naming the first field that differs."""
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            for sub in sorted(set(old) | set(new)):
+                if old.get(sub) != new.get(sub):
+                    raise CheckpointError(
+                        f"cannot resume from {path}: {key}.{sub} changed (checkpoint: {old.get(sub)!r}, "
+                        f"now: {new.get(sub)!r}); resume with the same setting or start a new run")
+        elif old != new:
+            raise CheckpointError(f"cannot resume from {path}: {key} changed (checkpoint: {old!r}, now: {new!r}); "
+                                  "resume with the same setting or start a new run")

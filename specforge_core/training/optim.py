@@ -1,0 +1,69 @@
+"""AdamW (with fp32 master weights for bf16 parameters) and the warmup + cosine/constant schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ..config import TrainOptions
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW that keeps fp32 master copies of low-precision parameters.
+
+    The model keeps its bf16 parameters (fast forward/backward, half the memory); the
+    optimizer updates fp32 masters, so small updates are not rounded away, and copies them
+    back after each step.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **kwargs: Any) -> None:
+        self.model_params = [p for p in params]
+        masters = [p.detach().clone().float().requires_grad_(True) for p in self.model_params]
+        super().__init__(masters, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        masters = [p for group in self.param_groups for p in group["params"]]
+        for master, param in zip(masters, self.model_params):
+            master.grad = None if param.grad is None else param.grad.detach().float()
+        loss = super().step(closure)
+        for master, param in zip(masters, self.model_params):
+            param.copy_(master)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.model_params:
+            param.grad = None
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_optimizer(model: torch.nn.Module, train: TrainOptions) -> torch.optim.Optimizer:
+    params = trainable_parameters(model)
+    if not params:
+        raise ValueError("the draft model has no trainable parameters")
+    kwargs = dict(lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+        return MasterWeightAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def lr_factor(step: int, train: TrainOptions, total_steps: int) -> float:
+    """Multiplier of the peak LR for optimizer step ``step`` (0-based)."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    if train.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    floor = train.min_lr_ratio
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainOptions, total_steps: int) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, total_steps))

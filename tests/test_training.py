@@ -1,0 +1,202 @@
+"""The training spine end to end: a test strategy plugin trained offline through `specforge run`.
+
+Everything runs as real processes: the CLI in a subprocess, two ranks under torchrun with
+gloo. The "linear" strategy comes from a fake installed distribution (tests/fixtures).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures.linear_plugin import make_features
+from sf_helpers import SPECFORGE
+from specforge_core.testing import FakeSite
+
+PLUGIN_SOURCE = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    site = FakeSite(tmp_path_factory.mktemp("linear-site"))
+    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin"},
+             modules={"sf_linear_plugin": PLUGIN_SOURCE})
+    yield site
+    site.cleanup()
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    return make_features(tmp_path_factory.mktemp("features") / "feats")
+
+
+def specforge(site, *args, ranks=1, env_extra=None, expect=0):
+    env = site.env(SPECFORGE_STRICT_PLUGINS="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    if ranks == 1:
+        cmd = [SPECFORGE, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "specforge_core.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if expect is not None:
+        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def train_args(features, out, *extra, steps=8, batch=2):
+    return ["run", "--strategy", "linear", "--features", str(features), "--output", str(out), "--run-id", "lin",
+            "--set", f"train.max_steps={steps}", "--set", f"train.batch_size={batch}", "--set", "train.lr=0.05",
+            "--set", "train.warmup_steps=2", *extra]
+
+
+def losses(out):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(out) if "loss" in r]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_writes_metrics_summary_curves_and_checkpoints(site, features, tmp_path):
+    out = tmp_path / "out"
+    hook_log = tmp_path / "hooks.log"
+    proc = specforge(site, *train_args(features, out, "--set", "train.save_every=2", "--set", "train.eval_every=4",
+                                       "--set", "train.keep_last=2"),
+                     env_extra={"SF_TEST_HOOK_LOG": str(hook_log)})
+    assert "done: 8 steps" in proc.stdout
+    records = read_metrics(out)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    for r in train:
+        assert set(r) >= {"loss", "lr", "grad_norm", "tokens_per_s", "data_wait_fraction", "acc", "ce", "epoch"}
+        assert r["tokens_per_s"] > 0 and 0 <= r["data_wait_fraction"] <= 1
+        assert r["ctx_step"] == r["step"] - 1  # forward_loss saw the number of completed updates
+        assert r["ctx_total"] == 8
+    assert train[0]["lr"] == pytest.approx(0.025)  # warmup step 1 of 2
+    assert train[1]["lr"] == pytest.approx(0.05)
+    assert [r["step"] for r in records if "eval/acc" in r] == [4, 8]
+    assert train[-1]["loss"] < train[0]["loss"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["total_steps"] == 8
+    assert summary["best"]["metric"] == "acc" and summary["best"]["mode"] == "max"
+    assert summary["final_eval"]["eval/acc"] == [r for r in records if "eval/acc" in r][-1]["eval/acc"]
+    assert {p["name"]: p["version"] for p in summary["plugins"]}["linear"] == "0.0.7"
+    assert summary["config"]["strategy"]["name"] == "linear"
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # rotation kept the newest two plus best; latest points at the final step
+    assert (out / "latest").read_text().strip() == "lin-step8"
+    kept = sorted(p.name for p in out.iterdir() if p.name.startswith("lin-step"))
+    best = (out / "best").read_text().strip()
+    assert set(kept) == {"lin-step6", "lin-step8", best}
+    ckpt = out / "lin-step8"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert sorted(weights) == ["body.0.bias", "body.0.weight", "head.bias", "head.weight"]  # frozen proj not saved
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["contract"]["target"] == json.loads((features / "manifest.json").read_text())["frozen_fingerprint"]
+    assert state["state"]["global_step"] == 8
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optim.rank0.json",
+                                                       "optim.rank0.safetensors", "rng.rank0.safetensors",
+                                                       "trainer_state.json"]
+    lines = hook_log.read_text().splitlines()
+    assert [l for l in lines if l.startswith("step_end")] == [f"step_end {i}" for i in range(1, 9)]
+    assert [l for l in lines if l.startswith("checkpoint")][:2] == ["checkpoint 2 lin-step2", "checkpoint 4 lin-step4"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(site, features, tmp_path, ranks):
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    args = ("--set", "train.save_every=2", "--set", "train.epochs=100")
+    specforge(site, *train_args(features, full, *args, steps=10), ranks=ranks)
+    crashed = specforge(site, *train_args(features, broken, *args, steps=10), ranks=ranks,
+                        env_extra={"SF_TEST_CRASH_AT": "7"}, expect=None)
+    assert crashed.returncode != 0
+    assert (broken / "latest").read_text().strip() == "lin-step6"
+    assert len(losses(broken)) == 7  # the crashed run logged step 7 before dying
+    specforge(site, *train_args(features, broken, *args, "--resume", "latest", steps=10), ranks=ranks)
+    assert losses(broken) == losses(full)
+    a = load_file(str(full / "lin-step10" / "model.safetensors"))
+    b = load_file(str(broken / "lin-step10" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("change, field", [
+    (["--set", "train.batch_size=3"], "batch_size changed (checkpoint: 2, now: 3)"),
+    (["--set", "train.accumulation_steps=2"], "accumulation_steps changed (checkpoint: 1, now: 2)"),
+    (["--set", "strategy.hidden=8"], "strategy_options.hidden changed (checkpoint: 16, now: 8)"),
+    (["--set", "train.max_steps=12"], "total_steps changed (checkpoint: 4, now: 12)"),
+])
+def test_resume_with_a_changed_contract_is_refused_naming_the_field(site, features, tmp_path, change, field):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, steps=4))
+    before = sorted(p.name for p in out.iterdir())
+    proc = specforge(site, *train_args(features, out, "--resume", "latest", *change, steps=4), expect=1)
+    assert field in proc.stderr
+    assert "cannot resume from" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written, nothing lost
+
+
+def test_resume_against_a_different_target_is_refused(site, features, tmp_path):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, steps=4))
+    other = make_features(tmp_path / "other", proj_seed=1)
+    proc = specforge(site, *train_args(other, out, "--resume", "latest", steps=4), expect=1)
+    assert "cannot resume from" in proc.stderr and "target changed" in proc.stderr
+
+
+def test_resume_with_a_different_world_size_is_refused(site, features, tmp_path):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, steps=4))
+    proc = specforge(site, *train_args(features, out, "--resume", "latest", steps=4), ranks=2, expect=None)
+    assert proc.returncode != 0
+    assert "world_size changed (checkpoint: 1, now: 2)" in proc.stderr
+
+
+def test_half_written_checkpoint_is_never_picked_up(site, features, tmp_path):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, "--set", "train.save_every=2", steps=4))
+    junk = out / ".tmp-lin-step6"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"half")
+    assert (out / "latest").read_text().strip() == "lin-step4"
+    proc = specforge(site, *train_args(features, out, "--resume", str(junk), steps=4), expect=1)
+    assert "is not a complete checkpoint" in proc.stderr
+
+
+def test_resume_without_a_checkpoint_says_so(site, features, tmp_path):
+    proc = specforge(site, *train_args(features, tmp_path / "empty", "--resume", "latest", steps=2), expect=1)
+    assert "no 'latest' checkpoint in" in proc.stderr
+
+
+def eval_acc(out):
+    return [r["eval/acc"] for r in read_metrics(out) if "eval/acc" in r]
+
+
+def test_eval_metrics_do_not_depend_on_batch_size_or_rank_count(site, features, tmp_path):
+    """Same weights (lr=0), different eval batch sizes and rank counts: identical pooled metrics."""
+    runs = {}
+    for name, batch, ranks in (("b1", 1, 1), ("b4", 4, 1), ("r2", 1, 2)):
+        out = tmp_path / name
+        specforge(site, *train_args(features, out, "--set", "train.lr=1e-30", "--set", "train.warmup_steps=0",
+                                    steps=2, batch=batch), ranks=ranks)
+        runs[name] = eval_acc(out)
+    assert runs["b1"] == runs["b4"] == runs["r2"]
+    assert len(runs["b1"]) == 1 and 0 < runs["b1"][0] < 1
+
+
+def test_two_ranks_see_distinct_samples(site, features, tmp_path):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, steps=6, batch=2), ranks=2)
+    train = [r for r in read_metrics(out) if "loss" in r]
+    assert len(train) == 6
+    # 24 samples, 2 ranks x 2 per batch: one epoch is 6 steps and every step sees 4 distinct samples
+    assert all(r["epoch"] == 0 for r in train)
+
+
+def test_unknown_features_dir_is_a_clear_error(site, tmp_path):
+    proc = specforge(site, *train_args(tmp_path / "nowhere", tmp_path / "o"), expect=1)
+    assert "is not a features directory (no manifest.json); create one with `specforge capture`" in proc.stderr
