@@ -1,0 +1,150 @@
+"""FeatureDataLoader over real stores and channels."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from specforge_core.builtin import DiskStoreOptions, LocalControlPlaneOptions, MemoryStoreOptions
+from specforge_core.contracts import TrainBatch
+from specforge_core.control_planes.local import LocalControlPlane
+from specforge_core.data.loader import FeatureDataLoader, LoaderError
+from specforge_core.errors import ChannelFailedError, CorruptFeatureError, SampleNotFoundError
+from specforge_core.feature_stores.disk import DiskFeatureStore
+from specforge_core.feature_stores.memory import MemoryFeatureStore
+from specforge_core.protocols import BuildContext
+
+
+def collate(samples, sample_ids):
+    return TrainBatch(tensors={"v": torch.stack([s["v"] for s in samples])}, sample_ids=sample_ids,
+                      num_tokens=len(samples))
+
+
+def fill(store, n):
+    return [store.put(f"s{i:03d}", {"v": torch.tensor([float(i)])}) for i in range(n)]
+
+
+def ids(batches):
+    return [list(b.sample_ids) for b in batches]
+
+
+@pytest.fixture
+def memory():
+    return MemoryFeatureStore(MemoryStoreOptions(consume_once=False), BuildContext())
+
+
+def test_fixed_mode_shuffles_per_epoch_with_a_seed_and_drops_the_short_final_batch(memory):
+    refs = fill(memory, 10)
+    loader = FeatureDataLoader(memory, collate, refs=refs, batch_size=3, seed=5)
+    first = ids(loader)
+    assert len(first) == len(loader) == 3 and all(len(b) == 3 for b in first)
+    assert ids(loader) == first  # same epoch, same order
+    loader.set_epoch(1)
+    second = ids(loader)
+    assert second != first
+    again = FeatureDataLoader(memory, collate, refs=refs, batch_size=3, seed=5)
+    again.set_epoch(1)
+    assert ids(again) == second
+    for batch in FeatureDataLoader(memory, collate, refs=refs, batch_size=3, seed=5):
+        assert torch.equal(batch["v"].flatten(), torch.tensor([float(s[1:]) for s in batch.sample_ids]))
+
+
+def test_fixed_mode_keeps_the_short_batch_without_drop_last(memory):
+    loader = FeatureDataLoader(memory, collate, refs=fill(memory, 10), batch_size=4, shuffle=False, drop_last=False)
+    assert [len(b) for b in ids(loader)] == [4, 4, 2] and len(loader) == 3
+
+
+def test_seek_skips_batches_for_resume(memory):
+    refs = fill(memory, 12)
+    loader = FeatureDataLoader(memory, collate, refs=refs, batch_size=3, seed=1)
+    full = ids(loader)
+    loader.seek(2)
+    assert ids(loader) == full[2:]
+    assert ids(loader) == full  # seek applies to the next iteration only
+    with pytest.raises(LoaderError, match="cannot seek to batch 5: an epoch has 4 batches on this rank"):
+        loader.seek(5)
+
+
+def test_ranks_get_disjoint_equal_shares(memory):
+    refs = fill(memory, 11)
+    shares = [sum(ids(FeatureDataLoader(memory, collate, refs=refs, batch_size=1, seed=3, rank=r, world_size=2)), [])
+              for r in range(2)]
+    assert len(shares[0]) == len(shares[1]) == 5
+    assert not set(shares[0]) & set(shares[1])
+    every = [sum(ids(FeatureDataLoader(memory, collate, refs=refs, batch_size=2, rank=r, world_size=2,
+                                       drop_last=False, equal_shares=False)), []) for r in range(2)]
+    assert sorted(every[0] + every[1]) == sorted(r.sample_id for r in refs)
+
+
+def test_channel_mode_yields_the_short_final_batch_and_releases_only_on_complete():
+    store = MemoryFeatureStore(MemoryStoreOptions(consume_once=True), BuildContext())
+    plane = LocalControlPlane(LocalControlPlaneOptions(), BuildContext())
+    refs = fill(store, 7)
+    plane.channel.publish(refs)
+    plane.channel.close()
+    loader = FeatureDataLoader(store, collate, channel=plane.channel, batch_size=3, poll_timeout_s=0.05)
+    batches = list(loader)
+    assert [len(b.sample_ids) for b in batches] == [3, 3, 1]
+    assert store.stats()["samples"] == 7  # nothing released before the trainer acks
+    assert sorted(loader.in_flight) == [r.sample_id for r in refs]
+    loader.complete(batches[0].sample_ids)
+    assert store.stats()["samples"] == 4
+    with pytest.raises(SampleNotFoundError):
+        store.get(refs[[r.sample_id for r in refs].index(batches[0].sample_ids[0])])
+
+
+def test_channel_mode_streams_while_a_producer_thread_publishes():
+    store = MemoryFeatureStore(MemoryStoreOptions(consume_once=True), BuildContext())
+    plane = LocalControlPlane(LocalControlPlaneOptions(), BuildContext())
+
+    def produce():
+        for i in range(9):
+            plane.channel.publish([store.put(f"p{i}", {"v": torch.tensor([float(i)])})])
+            time.sleep(0.005)
+        plane.channel.close()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    loader = FeatureDataLoader(store, collate, channel=plane.channel, batch_size=2, release="after_collate",
+                               poll_timeout_s=0.05)
+    seen = sum(ids(loader), [])
+    thread.join()
+    assert seen == [f"p{i}" for i in range(9)]
+    assert store.stats()["samples"] == 0
+
+
+def test_a_failed_channel_surfaces_in_the_training_thread():
+    store = MemoryFeatureStore(MemoryStoreOptions(), BuildContext())
+    plane = LocalControlPlane(LocalControlPlaneOptions(), BuildContext())
+    plane.channel.publish(fill(store, 2))
+    plane.channel.fail("target engine crashed: CUDA OOM")
+    loader = FeatureDataLoader(store, collate, channel=plane.channel, batch_size=2, poll_timeout_s=0.05)
+    with pytest.raises(ChannelFailedError, match="target engine crashed: CUDA OOM"):
+        list(loader)
+
+
+def test_a_corrupt_sample_surfaces_with_its_file_name(tmp_path):
+    store = DiskFeatureStore(DiskStoreOptions(path=str(tmp_path)), BuildContext())
+    refs = fill(store, 4)
+    victim = next(p for p in tmp_path.rglob("*.safetensors"))
+    victim.write_bytes(victim.read_bytes()[:-3])
+    loader = FeatureDataLoader(store, collate, refs=refs, batch_size=2, shuffle=False)
+    with pytest.raises(CorruptFeatureError, match=victim.name):
+        list(loader)
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 4  # nothing deleted
+
+
+def test_loader_needs_exactly_one_source(memory):
+    with pytest.raises(LoaderError, match="exactly one source"):
+        FeatureDataLoader(memory, collate, batch_size=2)
+    with pytest.raises(LoaderError, match="release must be one of on_complete, after_collate, never"):
+        FeatureDataLoader(memory, collate, refs=[], batch_size=2, release="sometimes")
+
+
+def test_breaking_out_early_stops_the_prefetch_thread(memory):
+    loader = FeatureDataLoader(memory, collate, refs=fill(memory, 40), batch_size=1, prefetch=2)
+    for _batch in loader:
+        break
+    time.sleep(0.3)
+    assert not any(t.name == "specforge-loader" and t.is_alive() for t in threading.enumerate())

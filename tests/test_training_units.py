@@ -1,0 +1,85 @@
+"""Training components in isolation: schedule, fp32 master weights, rotation, accumulation."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from specforge_core.config import TrainOptions
+from specforge_core.training.checkpoint import CheckpointError, CheckpointManager, check_contract
+from specforge_core.training.distributed import DistInfo
+from specforge_core.training.optim import MasterWeightAdamW, build_optimizer, lr_factor
+
+
+def test_warmup_then_cosine_schedule_values():
+    train = TrainOptions(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(step, train, total_steps=14) for step in range(15)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == pytest.approx(1.0)
+    assert factors[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert factors[14] == pytest.approx(0.1)
+
+
+def test_constant_schedule_after_warmup():
+    train = TrainOptions(warmup_steps=2, schedule="constant")
+    assert [lr_factor(s, train, total_steps=10) for s in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_bf16_parameters_get_fp32_master_weights_that_keep_small_updates():
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 4, bias=False)
+    low = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        reference.weight.copy_(torch.full((4, 4), 1.0))
+        low.weight.copy_(torch.full((4, 4), 1.0))
+    opt = build_optimizer(low, TrainOptions(lr=1e-4, weight_decay=0.0))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    assert isinstance(opt, MasterWeightAdamW)
+    x = torch.ones(2, 4)
+    for _ in range(20):
+        for model, optimizer in ((low, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            model(x.to(model.weight.dtype)).float().sum().backward()
+            optimizer.step()
+    master = opt.param_groups[0]["params"][0]
+    # 20 updates of 1e-4 are below bf16 resolution at 1.0 (2**-7): a plain bf16 AdamW would not move.
+    assert torch.allclose(master, reference.weight, atol=1e-6)
+    assert master.dtype == torch.float32 and low.weight.dtype == torch.bfloat16
+    assert torch.equal(low.weight, master.to(torch.bfloat16))
+
+
+def _save(manager, step, best=False):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    return manager.save(global_step=step, model=model, optimizer=opt, trainer_state={"state": {}}, is_best=best)
+
+
+def test_rotation_keeps_the_newest_and_never_deletes_best(tmp_path):
+    manager = CheckpointManager(tmp_path, "r", DistInfo(), keep_last=2)
+    _save(manager, 1)
+    _save(manager, 2, best=True)
+    for step in (3, 4, 5):
+        _save(manager, step)
+    assert [p.name for p in manager.checkpoints()] == ["r-step2", "r-step4", "r-step5"]
+    assert manager.resolve("best").name == "r-step2"
+    assert manager.resolve("latest").name == "r-step5"
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_checkpoints_of_other_runs_and_temp_dirs_are_ignored(tmp_path):
+    manager = CheckpointManager(tmp_path, "r", DistInfo(), keep_last=5)
+    _save(manager, 3)
+    (tmp_path / ".tmp-r-step9").mkdir()
+    other = CheckpointManager(tmp_path, "other", DistInfo(), keep_last=5)
+    _save(other, 7)
+    assert [p.name for p in manager.checkpoints()] == ["r-step3"]
+
+
+def test_contract_check_names_the_nested_field(tmp_path):
+    saved = {"strategy": "x", "strategy_options": {"ttt_length": 7}, "world_size": 1}
+    check_contract(saved, json.loads(json.dumps(saved)), tmp_path)
+    with pytest.raises(CheckpointError, match=r"strategy_options\.ttt_length changed \(checkpoint: 7, now: 5\)"):
+        check_contract(saved, {**saved, "strategy_options": {"ttt_length": 5}}, tmp_path)
+    with pytest.raises(CheckpointError, match=r"strategy changed \(checkpoint: 'x', now: 'y'\)"):
+        check_contract(saved, {**saved, "strategy": "y"}, tmp_path)
