@@ -167,6 +167,60 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
                    f"{os.path.join(plan.output, 'summary.json')}")
 
 
+@cli.command()
+@_component_option("strategy")
+@_component_option("target_engine")
+@click.option("--target-model", default=None, metavar="PATH",
+              help="Target model folder (or hub id with network). Default: the toy target.")
+@click.option("--data", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Training conversations (JSONL). Default: the toy target's bundled data.")
+@click.option("--eval-data", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Held-out conversations (JSONL), stored as the eval split.")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Features directory to write.")
+@click.option("--batch-size", default=8, show_default=True, help="Sequences per target forward.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, help="YAML configuration.")
+@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override an option, e.g. --set data.max_length=1024 --set strategy.ttt_length=5.")
+def capture(strategy: str | None, target_engine: str | None, target_model: str | None, data: str | None,
+            eval_data: str | None, output: str, batch_size: int, config_path: str | None,
+            assignments: tuple[str, ...]) -> None:
+    """Capture target features for offline training (`specforge run --features DIR`).
+
+    The strategy's capture plan decides which layers and features are stored. Resumable:
+    samples already in DIR are skipped. Prints bytes per token and the ratio to the
+    unpadded minimum.
+    """
+    from .capture import run_capture
+    from .config import apply_sets, load_config_file, resolve_plan
+
+    try:
+        raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
+        for kind, name in (("strategy", strategy), ("target_engine", target_engine)):
+            if name:
+                body = raw.get(kind)
+                body = {"name": body} if isinstance(body, str) else dict(body or {})
+                body["name"] = name
+                raw[kind] = body
+        raw["output"] = output
+        raw = apply_sets(raw, assignments)
+        for section, key, value in (("target_engine", "model", target_model), ("data", "path", data),
+                                    ("data", "eval_path", eval_data)):
+            if value:
+                body = raw.get(section)
+                body = {"name": body} if isinstance(body, str) else dict(body or {})
+                body[key] = value
+                raw[section] = body
+        plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
+        result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
+    except SpecforgeError as exc:
+        _fail(exc)
+    for split, report in result["data"].items():
+        click.echo(f"{split}: {result['samples'][split]} samples ({report['new']} new, {report['reused']} reused); "
+                   f"{report['summary']}")
+    click.echo(f"{result['tokens']} tokens, {result['bytes_per_token']:.1f} bytes/token, "
+               f"{result['ratio_to_unpadded_minimum']:.3f}x the unpadded minimum; features in {result['output']}")
+
+
 def build_cli() -> click.Group:
     """The CLI with every plugin's sub-commands added."""
     manager = get_plugin_manager()

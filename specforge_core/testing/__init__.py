@@ -9,11 +9,27 @@ Subclass a conformance suite in your plugin's tests to check it honours the cont
             return MyStore(MyOptions(), BuildContext(run_id="t"))
 
 The fixtures ``fake_site`` and ``plugin_manager`` are registered with pytest
-automatically when specforge-core is installed.
+automatically when specforge-core is installed. The suites are imported on first use, so
+importing this package (as pytest does for the fixtures) stays cheap.
 """
 
-from .control_plane_suite import ControlPlaneConformance
-from .distributions import FakeSite
-from .feature_store_suite import FeatureStoreConformance
+from __future__ import annotations
 
-__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance"]
+import importlib
+from typing import Any
+
+from .distributions import FakeSite
+
+_LAZY = {
+    "FeatureStoreConformance": ".feature_store_suite",
+    "ControlPlaneConformance": ".control_plane_suite",
+    "TargetEngineConformance": ".target_engine_suite",
+}
+
+__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "TargetEngineConformance"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,143 @@
+"""Benchmark of the built-in control planes; prints one JSON line per measurement.
+
+* ``sqlite_commit_ack`` — refs/s through ``commit`` then ``ack`` (two fsynced transactions
+  per batch, the production settings: WAL, synchronous=FULL) at batch 1 and 64, with the
+  ratio to the 20k refs/s target and to the disk's raw sync rate probed around it (the
+  physical limit of one durable transaction per sync);
+* ``channel_publish`` / ``channel_poll`` — refs/s of the file channel (one fsync per
+  published batch) and of the in-process queue;
+* ``file_poll_vs_size`` — latency of polling 64 new refs when ``refs.jsonl`` already holds
+  1k / 10k / 100k records, and ``file_poll_flatness``: largest / smallest (1.0 = flat).
+
+    python bench/control_plane.py [--dir DIR] [--seconds 2] [--sizes 1000,10000,100000]
+
+``--dir`` should be on the filesystem production uses: fsync cost is the whole story.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from specforge_core.control_planes.channel import FileChannel, QueueChannel
+from specforge_core.control_planes.sqlite import SqliteMetadataStore
+from specforge_core.testing.control_plane_suite import ids, sample_refs
+
+TARGET_REFS_PER_S = 20_000
+POLL_BATCH = 64
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def raw_sync_rate(directory: str, seconds: float) -> float:
+    """Rewrites of one 4 KiB block + fdatasync per second: the most durable writes the disk
+    allows (no file growth, so this is an upper bound for any transaction log)."""
+    path = os.path.join(directory, "fsync.probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    block, count, start = b"x" * 4096, 0, time.perf_counter()
+    try:
+        while time.perf_counter() - start < seconds:
+            os.pwrite(fd, block, 0)
+            os.fdatasync(fd)
+            count += 1
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return count / (time.perf_counter() - start)
+
+
+def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> None:
+    # A shared disk's sync rate drifts a lot, so the limit is probed right before and after.
+    probe_s = min(seconds, 1.0) / 2
+    before = raw_sync_rate(directory, probe_s)
+    store = SqliteMetadataStore(os.path.join(directory, f"bench-{batch}.sqlite"))
+    done, step, start = 0, 0, time.perf_counter()
+    try:
+        while done + batch <= len(pool) and time.perf_counter() - start < seconds:
+            refs = pool[done:done + batch]
+            fresh = store.commit(refs)
+            step += 1
+            store.ack(ids(fresh), step)
+            done += batch
+        elapsed = time.perf_counter() - start
+        assert store.stats()["acked"] == done
+    finally:
+        store.close()
+    sync_rate = (before + raw_sync_rate(directory, probe_s)) / 2
+    rate = done / elapsed
+    transactions_per_s = 2 * step / elapsed  # commit + ack, each one fsynced transaction
+    emit(bench="sqlite_commit_ack", batch=batch, refs=done, seconds=round(elapsed, 3), refs_per_s=round(rate),
+         target_refs_per_s=TARGET_REFS_PER_S, ratio_to_target=round(rate / TARGET_REFS_PER_S, 3),
+         transactions_per_s=round(transactions_per_s), raw_syncs_per_s=round(sync_rate),
+         ratio_to_raw_sync=round(transactions_per_s / sync_rate, 3), dir=directory)
+
+
+def bench_channel(name: str, channel, pool: list, batch: int, seconds: float) -> None:
+    published, start = 0, time.perf_counter()
+    while published + batch <= len(pool) and time.perf_counter() - start < seconds:
+        channel.publish(pool[published:published + batch])
+        published += batch
+    elapsed = time.perf_counter() - start
+    emit(bench="channel_publish", channel=name, batch=batch, refs=published, refs_per_s=round(published / elapsed))
+    polled, start = 0, time.perf_counter()
+    while polled < published:
+        polled += len(channel.poll(batch, timeout=0))
+    elapsed = time.perf_counter() - start
+    emit(bench="channel_poll", channel=name, batch=batch, refs=polled, refs_per_s=round(polled / elapsed))
+
+
+def bench_poll_vs_size(directory: str, pool: list, sizes: list[int], repeats: int) -> None:
+    medians = {}
+    for size in sizes:
+        path = os.path.join(directory, f"poll-{size}")
+        producer = FileChannel(path, role="producer")
+        consumer = FileChannel(path, role="consumer", idle_timeout_s=60)
+        for start in range(0, size, len(pool)):  # the channel does not dedup, so refs may repeat
+            producer.publish(pool[:min(len(pool), size - start)])
+        drained = 0
+        while drained < size:
+            drained += len(consumer.poll(4096, timeout=0))
+        latencies = []
+        for _ in range(repeats):
+            producer.publish(pool[:POLL_BATCH])
+            before, start = consumer.bytes_read, time.perf_counter()
+            got = consumer.poll(POLL_BATCH, timeout=0)
+            latencies.append(time.perf_counter() - start)
+            assert len(got) == POLL_BATCH
+        medians[size] = statistics.median(latencies)
+        emit(bench="file_poll_vs_size", records_in_file=size, new_refs=POLL_BATCH,
+             median_poll_us=round(medians[size] * 1e6, 1), bytes_read_per_poll=consumer.bytes_read - before,
+             file_bytes=os.path.getsize(producer.refs_path))
+        producer.detach()
+        consumer.detach()
+    emit(bench="file_poll_flatness", sizes=sizes,
+         ratio_largest_to_smallest=round(medians[sizes[-1]] / medians[sizes[0]], 3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="time budget of each throughput measurement")
+    parser.add_argument("--pool", type=int, default=40_000, help="distinct refs generated up front")
+    parser.add_argument("--sizes", default="1000,10000,100000", help="channel file sizes, in records")
+    parser.add_argument("--repeats", type=int, default=30, help="polls timed per file size")
+    args = parser.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="sf-bench-control-") as directory:
+        pool = sample_refs(args.pool, run_id="bench")
+        for batch in (1, 64):
+            bench_sqlite(directory, pool, batch, args.seconds)
+        bench_channel("file", FileChannel(os.path.join(directory, "channel"), role="both"), pool, 64, args.seconds)
+        bench_channel("queue", QueueChannel(), pool, 64, args.seconds)
+        bench_poll_vs_size(directory, pool, sizes, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Turning tokenized conversations into stored features with a target engine.
+
+Used by ``specforge capture`` (offline: the disk store of a features directory) and by
+the online colocated topology (a producer thread putting into the memory store). The
+strategy's capture plan decides which layers and features are captured; ``input_ids``
+and ``loss_mask`` come from data preparation and are stored next to the engine's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from .contracts import SampleRef
+from .dtypes import torch_dtype
+from .protocols import CapturePlan
+
+
+def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def capture_batch(engine: Any, plan: CapturePlan, samples: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
+    """Capture one batch of :class:`~specforge_core.data.prepare.TokenizedSample` s.
+
+    Returns one dict per sample with the plan's features, unpadded: the engine's hidden
+    states plus ``input_ids`` / ``loss_mask`` in the dtypes the plan declares.
+    """
+    inputs = [{"input_ids": torch.tensor(s.input_ids, dtype=torch.long)} for s in samples]
+    captured = engine.capture(inputs, plan)
+    out = []
+    for sample, features in zip(samples, captured):
+        row = {name: features[name] for name in plan.features if name in features and name not in
+               ("input_ids", "loss_mask")}
+        for name, values in (("input_ids", sample.input_ids), ("loss_mask", sample.loss_mask)):
+            if name in plan.features:
+                row[name] = torch.tensor(values, dtype=torch_dtype(plan.features[name].dtype))
+        missing = sorted(set(plan.features) - set(row))
+        if missing:
+            raise ValueError(f"the target engine returned no {missing} for the capture plan; it returned "
+                             f"{sorted(features)}")
+        out.append(row)
+    return out
+
+
+def capture_into(store: Any, engine: Any, plan: CapturePlan, samples: Iterable[Any], *, batch_size: int,
+                 split: str, strategy: str, skip: set[str] | None = None, progress: Any = None,
+                 stop: Any = None) -> Iterator[SampleRef]:
+    """Capture ``samples`` batch by batch into ``store``; yields the refs as they are stored.
+
+    Samples whose id is in ``skip`` (already captured: a resumed capture) are not run again.
+    ``stop`` (a threading.Event) ends the loop early between batches.
+    """
+    todo = (s for s in samples if not skip or s.sample_id not in skip)
+    for batch in _batched(todo, batch_size):
+        if stop is not None and stop.is_set():
+            return
+        for sample, features in zip(batch, capture_batch(engine, plan, batch)):
+            meta = {"split": split, "source": sample.source, "num_tokens": len(sample.input_ids),
+                    "supervised_tokens": int(sum(sample.loss_mask)), "strategy": strategy}
+            yield store.put(sample.sample_id, features, meta)
+        if progress is not None:
+            progress.update(len(batch))
+
+
+def minimum_bytes(ref: SampleRef) -> int:
+    """Bytes of the sample's tensors with no padding and no container: the storage floor."""
+    return ref.nbytes
+
+
+def _store_bytes(path: Any) -> int:
+    from pathlib import Path
+
+    return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
+
+
+def data_paths(plan: Any, engine: Any) -> tuple[str, str | None]:
+    """Training and eval JSONL: the user's, or the engine's bundled default (toy target)."""
+    from .errors import OptionError
+
+    train, evaluation = plan.data.path, plan.data.eval_path
+    if train is None:
+        default = getattr(engine, "default_data", lambda: None)()
+        if default is None:
+            raise OptionError("no training data: pass --data FILE (JSONL conversations); only the toy target "
+                              "ships bundled data")
+        train, default_eval = default
+        evaluation = evaluation or default_eval
+    return train, evaluation
+
+
+def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, Any]:
+    """``specforge capture``: write a features directory for ``plan``'s strategy; resumable."""
+    from tqdm import tqdm
+
+    from .data.prepare import PrepareReport, iter_samples
+    from .features import STORE_DIR, create_feature_set, finish_feature_set
+    from .options import options_to_dict
+    from .protocols import BuildContext
+    from .runtime import build_component
+
+    context = BuildContext(run_id=plan.run_id, output_dir=plan.output, role="offline")
+    strategy = build_component(plan, "strategy", context)
+    engine = build_component(plan, "target_engine", context)
+    target = engine.info()
+    capture_plan = strategy.capture_plan(target)
+    name = plan["strategy"].spec.name
+    root, store = create_feature_set(plan.output, strategy=name,
+                                     strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
+                                     target=target, frozen_parts=engine.frozen_parts(), context=context)
+    existing = {ref.sample_id: ref for ref in store.scan()}
+    train_path, eval_path = data_paths(plan, engine)
+    counts: dict[str, int] = {}
+    reports: dict[str, Any] = {}
+    tokens = minimum = 0
+    for split, path in (("train", train_path), ("eval", eval_path)):
+        if path is None:
+            continue
+        report = PrepareReport()
+        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length,
+                               last_turn_only=plan.data.last_turn_only, strict=plan.data.strict, report=report)
+        if split == "train" and plan.data.max_samples:
+            samples = (s for i, s in zip(range(plan.data.max_samples), samples))
+        with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
+            fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
+                                      strategy=name, skip=set(existing), progress=progress))
+        refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
+        counts[split] = len(refs)
+        reports[split] = {"new": len(fresh), "reused": len(refs) - len(fresh), "summary": report.summary(),
+                          "skipped": dict(report.skipped)}
+        tokens += sum(r.num_tokens for r in refs)
+        minimum += sum(minimum_bytes(r) for r in refs)
+    stored = _store_bytes(root / STORE_DIR)
+    result = {
+        "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,
+        "bytes_per_token": stored / tokens if tokens else 0.0,
+        "ratio_to_unpadded_minimum": stored / minimum if minimum else 0.0, "data": reports,
+    }
+    finish_feature_set(root, counts, {"capture": {k: v for k, v in result.items() if k != "output"}})
+    store.close()
+    return result

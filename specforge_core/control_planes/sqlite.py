@@ -1,0 +1,256 @@
+"""The durable control plane: SQLite metadata (WAL, synchronous=FULL) + a JSONL file channel.
+
+Layout of its directory (``options.path``, default ``OUTPUT/control``)::
+
+    metadata.sqlite        samples (commit order, ref JSON, acked step), markers, counters
+    refs.jsonl             the ref channel (see channel.FileChannel)
+    consumed.<rank>.json   each consumer rank's consumed count (producer backpressure)
+
+Several processes may open the same database: every write is one ``BEGIN IMMEDIATE``
+transaction and a busy timeout makes a writer wait for another instead of failing. WAL
+needs the processes on one host (or a filesystem with working POSIX locks and shared
+memory); a network filesystem shared between nodes is not supported for the database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+from typing import Any, Iterator, Sequence
+
+from ..contracts import SampleRef
+from ..errors import ControlPlaneError
+from .channel import FileChannel
+from .metadata import (
+    Reconciliation,
+    encode_marker,
+    require_ack_args,
+    require_sample_refs,
+    unknown_ids_error,
+)
+
+SCHEMA_VERSION = 1
+METADATA_FILE = "metadata.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS samples (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- commit order
+    sample_id TEXT NOT NULL UNIQUE,
+    ref TEXT NOT NULL,                       -- SampleRef.to_json()
+    acked_step INTEGER                       -- global step of the first ack, NULL while pending
+);
+CREATE TABLE IF NOT EXISTS markers (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO counters (name, value) VALUES ('durable_step', 0), ('duplicates', 0);
+"""
+
+
+class SqliteMetadataStore:
+    """The metadata store contract (see :mod:`.metadata`), durable in one SQLite file.
+
+    ``commit`` and ``ack`` are each one transaction, fsynced before they return
+    (``journal_mode=WAL``, ``synchronous=FULL``): after a crash every returned commit and
+    ack is there, and a half-applied batch never is. Thread-safe, and safe to open from
+    several processes at once (``busy_timeout_s`` is how long a writer waits for another).
+    """
+
+    def __init__(self, path: str, *, busy_timeout_s: float = 30.0) -> None:
+        self.path = os.path.abspath(path)
+        self._lock = threading.Lock()  # one connection, shared by the producer and trainer threads
+        try:
+            # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a batch is exactly one transaction.
+            self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            self._db.execute("PRAGMA synchronous = FULL")
+        except sqlite3.Error as exc:
+            raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that the "
+                                    "directory exists, is writable, and is on a local filesystem.") from None
+        if mode.lower() != "wal":
+            self._db.close()
+            raise ControlPlaneError(f"{self.path}: SQLite refused journal_mode=WAL (got {mode!r}); put the control "
+                                    "directory on a local filesystem")
+        try:
+            self._create_schema()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create_schema(self) -> None:
+        with self._transaction() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise ControlPlaneError(f"{self.path} has metadata schema v{version}; this specforge reads "
+                                        f"v{SCHEMA_VERSION}. Use the specforge version that wrote it or a fresh "
+                                        "control directory.")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    # ---- plumbing ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._db is None:
+                raise ControlPlaneError(f"the metadata store {self.path} is closed; open a new control plane")
+            try:
+                # IMMEDIATE takes the write lock now: two processes that both read and then
+                # try to upgrade would get SQLITE_BUSY, which the busy timeout does not retry.
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise ControlPlaneError(f"{self.path}: {exc}; another process held the database longer than the "
+                                        "busy timeout. Is a stuck process holding it?") from None
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        with self._transaction() as db:  # a read transaction sees one consistent snapshot
+            return db.execute(sql, args).fetchall()
+
+    def pragmas(self) -> dict[str, Any]:
+        """The connection's durability settings (for checks and diagnostics)."""
+        return {name: self._query(f"PRAGMA {name}")[0][0] for name in ("journal_mode", "synchronous", "busy_timeout")}
+
+    # ---- contract ----------------------------------------------------------------------
+    def commit(self, refs: Sequence[SampleRef]) -> list[SampleRef]:
+        items = require_sample_refs(refs)
+        texts = [ref.to_json() for ref in items]
+        fresh = []
+        with self._transaction() as db:
+            for ref, text in zip(items, texts):
+                cursor = db.execute("INSERT OR IGNORE INTO samples (sample_id, ref) VALUES (?, ?)",
+                                    (ref.sample_id, text))
+                if cursor.rowcount == 1:
+                    fresh.append(ref)
+            if len(fresh) < len(items):
+                db.execute("UPDATE counters SET value = value + ? WHERE name = 'duplicates'",
+                           (len(items) - len(fresh),))
+        return fresh
+
+    def ack(self, sample_ids: Sequence[str], global_step: int) -> None:
+        ids = require_ack_args(sample_ids, global_step)
+        with self._transaction() as db:
+            unknown = []
+            for sid in ids:
+                cursor = db.execute("UPDATE samples SET acked_step = ? WHERE sample_id = ? AND acked_step IS NULL",
+                                    (global_step, sid))
+                if cursor.rowcount == 0 and db.execute("SELECT 1 FROM samples WHERE sample_id = ?",
+                                                       (sid,)).fetchone() is None:
+                    unknown.append(sid)
+            if unknown:
+                raise unknown_ids_error(list(dict.fromkeys(unknown)))  # __exit__ rolls the batch back
+            db.execute("UPDATE counters SET value = MAX(value, ?) WHERE name = 'durable_step'", (global_step,))
+
+    def durable_step(self) -> int:
+        return self._query("SELECT value FROM counters WHERE name = 'durable_step'")[0][0]
+
+    def reconcile(self) -> Reconciliation:
+        with self._transaction() as db:
+            rows = db.execute("SELECT ref, acked_step IS NOT NULL FROM samples ORDER BY seq").fetchall()
+            step = db.execute("SELECT value FROM counters WHERE name = 'durable_step'").fetchone()[0]
+        acked, pending = [], []
+        for text, is_acked in rows:
+            (acked if is_acked else pending).append(SampleRef.from_json(text))
+        return Reconciliation(acked=acked, pending=pending, durable_step=step)
+
+    def set_marker(self, key: str, value: Any) -> None:
+        text = encode_marker(key, value)
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO markers (key, value) VALUES (?, ?)", (key, text))
+
+    def get_marker(self, key: str, default: Any = None) -> Any:
+        rows = self._query("SELECT value FROM markers WHERE key = ?", (key,))
+        return json.loads(rows[0][0]) if rows else default
+
+    def stats(self) -> dict[str, int]:
+        with self._transaction() as db:
+            committed, acked = db.execute("SELECT COUNT(*), COUNT(acked_step) FROM samples").fetchone()
+            duplicates = db.execute("SELECT value FROM counters WHERE name = 'duplicates'").fetchone()[0]
+        return {"committed": committed, "acked": acked, "duplicates": duplicates, "pending": committed - acked}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+_CHANNEL_ROLES = {"producer": "producer", "consumer": "consumer"}  # colocated/offline: "both"
+
+
+class SqliteControlPlane:
+    """Durable control plane for disaggregated and restartable runs.
+
+    ``SqliteControlPlane(options, context)`` opens ``metadata.sqlite`` and ``refs.jsonl`` in
+    ``options.path`` (default ``context.output_dir/control``). ``context.role`` picks the
+    channel role: ``producer`` publishes and commits, ``consumer`` polls and acks (sharded
+    by ``context.rank`` / ``context.world_size``), anything else (colocated, offline) does
+    both in one process; such a run with several ranks keeps one channel per rank in
+    ``rank<r>/`` (every rank is its own producer) and shares the metadata.
+
+    After a restart call :meth:`resume_producer` (producer) or :meth:`resume_consumer`
+    (consumer) before the first publish / poll.
+    """
+
+    def __init__(self, options: Any, context: Any = None) -> None:
+        directory = options.path
+        if directory is None and context is not None and context.output_dir is not None:
+            directory = os.path.join(context.output_dir, "control")
+        if directory is None:
+            raise ControlPlaneError("the sqlite control plane needs a directory: set its `path` option "
+                                    "(--set control_plane.path=DIR) or give the run an output directory")
+        role = getattr(context, "role", "colocated")
+        rank, world_size = getattr(context, "rank", 0), getattr(context, "world_size", 1)
+        channel_role = _CHANNEL_ROLES.get(role, "both")
+        channel_dir = directory if channel_role != "both" or world_size == 1 else os.path.join(directory, f"rank{rank}")
+        os.makedirs(directory, exist_ok=True)
+        self.path = directory
+        self.metadata = SqliteMetadataStore(os.path.join(directory, METADATA_FILE))
+        try:
+            self.channel = FileChannel(
+                channel_dir, role=channel_role,
+                shard=(rank, world_size) if channel_role == "consumer" else (0, 1),
+                high_watermark=options.high_watermark, low_watermark=options.low_watermark,
+                idle_timeout_s=options.idle_timeout_s, poll_interval_s=options.poll_interval_s,
+            )
+        except Exception:
+            self.metadata.close()
+            raise
+
+    def resume_consumer(self) -> Reconciliation:
+        """Prepare a (re)started consumer: acked samples will not be handed out again.
+
+        The channel is re-read from its start; refs the metadata store lists as acked are
+        skipped, the pending ones come again in this rank's shard. The returned
+        reconciliation's ``acked`` refs are the ones to release from the feature store.
+        """
+        reconciliation = self.metadata.reconcile()
+        self.channel.skip(ref.sample_id for ref in reconciliation.acked)
+        return reconciliation
+
+    def resume_producer(self) -> int:
+        """Publish the pending refs a crashed producer committed but never published.
+
+        Returns how many were published. Refs already in the channel are not published
+        again, so consumers never get a sample twice.
+        """
+        pending = self.metadata.reconcile().pending
+        published = self.channel.published_sample_ids()
+        missing = [ref for ref in pending if ref.sample_id not in published]
+        self.channel.publish(missing)
+        return len(missing)
+
+    def close(self) -> None:
+        """Release the database and channel handles. Does not end the stream: call
+        ``channel.close()`` (producer) for that."""
+        self.channel.detach()
+        self.metadata.close()
