@@ -48,65 +48,56 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
 
 def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None) -> dict[str, Any]:
     """Train according to ``plan``; returns the summary (also written to ``summary.json``)."""
-    from .data.loader import FeatureDataLoader
-    from .features import FeatureSet
+    from .sources import OfflineSource, OnlineSource
     from .training.distributed import check_same_everywhere, init_distributed, shutdown
     from .training.evaluator import Evaluator
     from .training.trainer import Trainer
 
     train = plan.train
     info = init_distributed(train.device)
+    source: Any = None
     try:
         check_same_everywhere("the installed plugin set", manager.plugin_set(), info)
         context = BuildContext(run_id=plan.run_id, output_dir=plan.output, rank=info.rank,
                                world_size=info.world_size, role="offline" if plan.features else "colocated")
         strategy = build_component(plan, "strategy", context)
-        if not plan.features:
-            raise RunError("online runs (no --features) need a target engine that can capture; "
-                           "capture features first with `specforge capture` and pass --features DIR")
-        features = FeatureSet.open(plan.features)
-        target = features.target
-        features.check_plan(strategy.capture_plan(target), plan["strategy"].spec.name)
-        store = features.open_store(context)
-        refs = features.refs(store, "train")
-        eval_refs = features.refs(store, "eval")
-        if not refs:
-            raise RunError(f"{plan.features} holds no training samples")
+        if plan.features:
+            source = OfflineSource(plan, strategy, context)
+        else:
+            # Capture may run this many samples ahead of the optimizer (bounded memory).
+            window = 4 * train.batch_size * train.accumulation_steps
+            source = OnlineSource(plan, strategy, context, build=lambda kind: build_component(plan, kind, context),
+                                  window=window)
         torch.manual_seed(train.seed)
-        model = strategy.build_model(target, features.frozen_parts())
-        loader = FeatureDataLoader(store, strategy.collate, refs=refs, batch_size=train.batch_size, shuffle=True,
-                                   seed=train.seed, drop_last=True, rank=info.rank, world_size=info.world_size)
-        if len(loader) == 0:
-            raise RunError(f"{len(refs)} training samples make no full batch of {train.batch_size} per rank on "
-                           f"{info.world_size} rank(s); lower train.batch_size")
-        total_steps = train.max_steps or max(1, train.epochs * len(loader) // train.accumulation_steps)
-        evaluator = None
-        if eval_refs:
-            def eval_loader() -> Any:
-                return FeatureDataLoader(store, strategy.collate, refs=eval_refs, batch_size=train.batch_size,
-                                         shuffle=False, drop_last=False, rank=info.rank,
-                                         world_size=info.world_size, equal_shares=False)
-            evaluator = Evaluator(strategy, eval_loader, info)
+        model = strategy.build_model(source.target, source.frozen_parts())
+        loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
+                                     rank=info.rank, world_size=info.world_size)
+        batches_per_epoch = source.samples_per_rank(info.world_size) // train.batch_size
+        if batches_per_epoch == 0:
+            raise RunError(f"{source.samples_per_rank(info.world_size)} training samples per rank make no full "
+                           f"batch of {train.batch_size} on {info.world_size} rank(s); lower train.batch_size")
+        total_steps = train.max_steps or max(1, train.epochs * batches_per_epoch // train.accumulation_steps)
+        make_eval = source.eval_loader_factory(strategy.collate, batch_size=train.batch_size, rank=info.rank,
+                                               world_size=info.world_size)
+        evaluator = Evaluator(strategy, make_eval, info) if make_eval else None
         spec = plan["strategy"].spec
-        summary_extra = {
-            "plugins": manager.plugin_list(),
-            "config": plan.to_dict(),
-            "world_size": info.world_size,
-            "features": os.fspath(plan.features),
-        }
+        summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
+                         "topology": "offline" if plan.features else "online-colocated"}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
-                          contract=run_contract(plan, info.world_size, total_steps, features.fingerprint),
-                          hooks=manager.hook, evaluator=evaluator, best_metric=spec.best_metric,
+                          contract=run_contract(plan, info.world_size, total_steps, source.fingerprint),
+                          hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=spec.best_metric,
                           best_mode=spec.best_mode, summary_extra=summary_extra)
         manager.hook.specforge_run_started(run_id=plan.run_id, output_dir=str(Path(plan.output)),
                                            config=plan.to_dict())
         if resume:
             trainer.resume(resume)
+        source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size)
         summary = trainer.fit()
         if info.is_main:
             manager.hook.specforge_run_finished(run_id=plan.run_id, output_dir=str(plan.output), summary=summary)
-        store.close()
         return summary
     finally:
+        if source is not None:
+            source.close()
         shutdown()
