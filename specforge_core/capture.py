@@ -71,6 +71,16 @@ def capture_into(store: Any, engine: Any, plan: CapturePlan, samples: Iterable[A
             progress.update(len(batch))
 
 
+def supervised_token_counts(pairs: Iterable[tuple[Any, Any]], vocab_size: int) -> torch.Tensor:
+    """How often each token id is supervised: ``pairs`` yields ``(input_ids, loss_mask)``."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in pairs:
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        mask = torch.as_tensor(mask).bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def minimum_bytes(ref: SampleRef) -> int:
     """Bytes of the sample's tensors with no padding and no container: the storage floor."""
     return ref.nbytes
@@ -102,7 +112,7 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     from tqdm import tqdm
 
     from .data.prepare import PrepareReport, iter_samples
-    from .features import STORE_DIR, create_feature_set, finish_feature_set
+    from .features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
     from .options import options_to_dict
     from .protocols import BuildContext
     from .runtime import build_component
@@ -139,6 +149,11 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
         tokens += sum(r.num_tokens for r in refs)
         minimum += sum(minimum_bytes(r) for r in refs)
     stored = _store_bytes(root / STORE_DIR)
+    train_refs = [r for r in store.scan() if r.meta.get("split") == "train"]
+    if {"input_ids", "loss_mask"} <= set(capture_plan.features):
+        pairs = ((f["input_ids"], f["loss_mask"]) for f in
+                 (store.get(r, ["input_ids", "loss_mask"]) for r in train_refs))
+        save_token_counts(root, supervised_token_counts(pairs, target.vocab_size))
     result = {
         "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,
         "bytes_per_token": stored / tokens if tokens else 0.0,

@@ -7,6 +7,7 @@ epochs without the target model. Layout of ``DIR``::
                                     the frozen parts' fingerprint, sample counts per split
     DIR/frozen_parts.safetensors    the target's embedding / lm_head / norm weights the draft
                                     reuses (so training needs no target model)
+    DIR/token_counts.safetensors    how often each token id is supervised in the train split
     DIR/store/                      the ``disk`` feature store (one safetensors file per sample)
 
 Every sample's ref carries ``meta["split"]`` (``train`` or ``eval``).
@@ -24,10 +25,11 @@ import attrs
 
 from .contracts import FeatureSpec, SampleRef
 from .errors import SpecforgeError
-from .protocols import BuildContext, CapturePlan, TargetInfo
+from .protocols import BuildContext, CapturePlan, DataStats, TargetInfo
 
 MANIFEST = "manifest.json"
 FROZEN = "frozen_parts.safetensors"
+TOKEN_COUNTS = "token_counts.safetensors"
 STORE_DIR = "store"
 FORMAT = "specforge-features"
 VERSION = 1
@@ -107,6 +109,13 @@ class FeatureSet:
 
         return load_file(str(self.path / FROZEN))
 
+    def stats(self) -> DataStats:
+        from safetensors.torch import load_file
+
+        path = self.path / TOKEN_COUNTS
+        counts = load_file(str(path))["token_counts"] if path.exists() else None
+        return DataStats(token_counts=counts, num_samples=int(self.manifest.get("samples", {}).get("train", 0)))
+
     def open_store(self, context: BuildContext) -> Any:
         from .feature_stores.disk import DiskFeatureStore
 
@@ -175,3 +184,11 @@ def finish_feature_set(path: str | os.PathLike[str], counts: Mapping[str, int], 
     tmp = path / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, path / MANIFEST)
+
+
+def save_token_counts(path: str | os.PathLike[str], counts: Any) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file({"token_counts": counts.contiguous()}, str(path / f".{TOKEN_COUNTS}.tmp"))
+    os.replace(path / f".{TOKEN_COUNTS}.tmp", path / TOKEN_COUNTS)

@@ -120,19 +120,52 @@ class CapturePlan:
     features: dict[str, Any] = attrs.field(factory=dict)
 
 
+@attrs.frozen(kw_only=True)
+class DataStats:
+    """What a strategy may learn from the training data before its model is built.
+
+    ``token_counts`` is a LongTensor ``[vocab_size]``: how often each token id is supervised
+    (``loss_mask == 1``) in the training split (EAGLE3 builds its draft vocabulary from it).
+    """
+
+    token_counts: Any = None
+    num_samples: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class SpeculationResult:
+    """One prompt's speculative decode: the new tokens and how many target forwards they took.
+
+    ``accept_lengths`` holds, per verification forward, the tokens it produced (accepted draft
+    tokens plus the target's bonus token), so ``sum(accept_lengths) == len(tokens)``.
+    """
+
+    tokens: list[int]
+    target_forwards: int
+    accept_lengths: list[int] = attrs.field(factory=list)
+
+
 @runtime_checkable
 class Strategy(Protocol):
     """A draft algorithm, built by its spec's factory as ``factory(options, context)``.
 
     ``capture_plan`` says what to capture; ``build_model`` returns the trainable draft (an
-    ``nn.Module``; frozen target parts it uses are buffers or frozen parameters);
-    ``collate`` turns stored samples into a :class:`TrainBatch`; ``forward_loss`` returns a
-    :class:`StepOutput` with ratio metrics as (numerator, denominator).
+    ``nn.Module``; frozen target parts it uses are frozen parameters or non-persistent
+    buffers, so checkpoints leave them out); ``collate`` turns stored samples into a
+    :class:`TrainBatch`; ``forward_loss`` returns a :class:`StepOutput` with ratio metrics as
+    (numerator, denominator).
+
+    Strategies that can be served also implement ``export(model, out_dir, target)`` (a
+    directory SGLang loads; its config.json names the strategy under ``specforge_strategy``),
+    ``load_export(path, target, frozen_parts)`` (the model back from such a directory) and
+    ``speculate(model, session, prompt_ids, *, max_new_tokens, eos_token_id)`` (a real
+    speculative decode against a :class:`VerifySession`, returning a
+    :class:`SpeculationResult`).
     """
 
     def capture_plan(self, target: TargetInfo) -> CapturePlan: ...
 
-    def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any]) -> Any: ...
+    def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> Any: ...
 
     def collate(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str]) -> Any: ...
 

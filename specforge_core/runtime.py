@@ -69,7 +69,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
             source = OnlineSource(plan, strategy, context, build=lambda kind: build_component(plan, kind, context),
                                   window=window)
         torch.manual_seed(train.seed)
-        model = strategy.build_model(source.target, source.frozen_parts())
+        model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
         loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
                                      rank=info.rank, world_size=info.world_size)
         batches_per_epoch = source.samples_per_rank(info.world_size) // train.batch_size

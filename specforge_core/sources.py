@@ -47,6 +47,9 @@ class OfflineSource:
     def frozen_parts(self) -> dict[str, Any]:
         return self.features.frozen_parts()
 
+    def stats(self) -> Any:
+        return self.features.stats()
+
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
         return FeatureDataLoader(self.store, collate, refs=self.refs, batch_size=batch_size, shuffle=True, seed=seed,
                                  drop_last=True, rank=rank, world_size=world_size)
@@ -118,6 +121,13 @@ class OnlineSource:
 
     def frozen_parts(self) -> dict[str, Any]:
         return self._frozen
+
+    def stats(self) -> Any:
+        from .capture import supervised_token_counts
+        from .protocols import DataStats
+
+        counts = supervised_token_counts(((s.input_ids, s.loss_mask) for s in self.samples), self.target.vocab_size)
+        return DataStats(token_counts=counts, num_samples=len(self.samples))
 
     def samples_per_rank(self, world_size: int) -> int:
         return len(self.samples) // world_size

@@ -24,9 +24,11 @@ _LAZY = {
     "FeatureStoreConformance": ".feature_store_suite",
     "ControlPlaneConformance": ".control_plane_suite",
     "TargetEngineConformance": ".target_engine_suite",
+    "StrategyConformance": ".strategy_suite",
 }
 
-__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "TargetEngineConformance"]
+__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "StrategyConformance",
+           "TargetEngineConformance"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ class ExampleStrategy:
             "last_hidden": FeatureSpec((-1, target.hidden_size), target.dtype),
         })
 
-    def build_model(self, target, frozen_parts):
+    def build_model(self, target, frozen_parts, stats):
         head = nn.Linear(target.hidden_size, target.vocab_size, bias=False)
         nn.init.normal_(head.weight, std=self.options.init_std)
         return head
