@@ -25,6 +25,7 @@ import attrs
 
 from .contracts import FeatureSpec, SampleRef
 from .errors import SpecforgeError
+from .fileio import atomic_write, atomic_write_text
 from .protocols import BuildContext, CapturePlan, DataStats, TargetInfo
 
 MANIFEST = "manifest.json"
@@ -166,12 +167,10 @@ def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_
         "capture_plan": plan_to_dict(plan), "target": attrs.asdict(target), "frozen_fingerprint": fingerprint,
         "complete": False, "samples": {},
     }
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(tmp, manifest_path)
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
     if not (path / FROZEN).exists():
-        save_file({k: v.detach().cpu().contiguous() for k, v in frozen_parts.items()}, str(path / f".{FROZEN}.tmp"))
-        os.replace(path / f".{FROZEN}.tmp", path / FROZEN)
+        parts = {k: v.detach().cpu().contiguous() for k, v in frozen_parts.items()}
+        atomic_write(path / FROZEN, lambda tmp: save_file(parts, tmp))
     from .feature_stores.disk import DiskFeatureStore
 
     return path, DiskFeatureStore(_store_options(path / STORE_DIR), context)
@@ -181,14 +180,10 @@ def finish_feature_set(path: str | os.PathLike[str], counts: Mapping[str, int], 
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     manifest.update({"complete": True, "samples": dict(counts), **dict(extra or {})})
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(tmp, path / MANIFEST)
+    atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def save_token_counts(path: str | os.PathLike[str], counts: Any) -> None:
     from safetensors.torch import save_file
 
-    path = Path(path)
-    save_file({"token_counts": counts.contiguous()}, str(path / f".{TOKEN_COUNTS}.tmp"))
-    os.replace(path / f".{TOKEN_COUNTS}.tmp", path / TOKEN_COUNTS)
+    atomic_write(Path(path) / TOKEN_COUNTS, lambda tmp: save_file({"token_counts": counts.contiguous()}, tmp))

@@ -80,6 +80,7 @@ from ..errors import (
     ControlPlaneError,
     RecordError,
 )
+from ..fileio import atomic_write_text, fsync_dir
 from .metadata import require_sample_refs
 
 DEFAULT_IDLE_TIMEOUT_S = 600.0
@@ -413,14 +414,6 @@ def _decode(line: bytes, path: str, line_no: int) -> dict:
     return record
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     # One write() per batch: with O_APPEND, Linux places it whole at the end, so a
     # consumer's fail line can never land inside the producer's records.
@@ -492,7 +485,7 @@ class FileChannel(_RefChannelBase):
         created = not os.path.exists(self.refs_path)
         self._write_fd = os.open(self.refs_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         if created and self.fsync:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         self._recover_torn_tail()
         self._producer_tail = _JsonlTail(self.refs_path, self._read_chunk_bytes)
         self._sync_producer(count_own_refs=True)
@@ -622,13 +615,8 @@ class FileChannel(_RefChannelBase):
 
     def _store_consumed(self) -> None:
         # tmp + rename: the producer reads the old count or the new one, never half a file.
-        tmp = f"{self._consumed_path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps({"consumed": self._consumed_base + self._reported, "rank": self.rank}))
-            if self.fsync:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(tmp, self._consumed_path)
+        record = json.dumps({"consumed": self._consumed_base + self._reported, "rank": self.rank})
+        atomic_write_text(self._consumed_path, record, fsync=self.fsync)
 
     def consumed(self) -> int:
         """Refs reported consumed by every rank (sum of the ``consumed.<rank>.json`` files)."""

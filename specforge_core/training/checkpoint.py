@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpecforgeError
+from ..fileio import atomic_write_text, fsync_dir
 from .distributed import DistInfo, barrier
 
 STATE_FILE = "trainer_state.json"
@@ -35,23 +36,6 @@ _STEP_DIR = re.compile(r"^(?P<run>.+)-step(?P<step>\d+)$")
 
 class CheckpointError(SpecforgeError):
     """A checkpoint is missing, incomplete, or does not match the run resuming from it."""
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -173,14 +157,14 @@ class CheckpointManager:
             for path in tmp.iterdir():
                 with open(path, "rb") as handle:
                     os.fsync(handle.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.output_dir)
-            _atomic_write_text(self.output_dir / "latest", name + "\n")
+            fsync_dir(self.output_dir)
+            atomic_write_text(self.output_dir / "latest", name + "\n")
             if is_best:
-                _atomic_write_text(self.output_dir / "best", name + "\n")
+                atomic_write_text(self.output_dir / "best", name + "\n")
             self._rotate()
         barrier(self.info)
         return final

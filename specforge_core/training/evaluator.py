@@ -11,10 +11,17 @@ from .distributed import DistInfo, all_reduce_max, gather_objects
 from .metrics import RatioPool
 
 
+def derived_metrics(strategy: Any, pooled: dict[str, float]) -> dict[str, float]:
+    """Metrics a strategy computes from pooled ratios (e.g. τ_sim = Σ_k Π_{i≤k} acc_i)."""
+    derive = getattr(strategy, "derived_metrics", None)
+    return dict(derive(pooled)) if derive is not None else {}
+
+
 class Evaluator:
     """Runs ``strategy.forward_loss`` without gradients over an eval set.
 
-    Ratio metrics are pooled as float64 ``Σnum / Σden`` over all batches and ranks. Under
+    Ratio metrics are pooled as float64 ``Σnum / Σden`` over all batches and ranks, then the
+    strategy's ``derived_metrics(pooled)`` (if it has one) adds what is not a ratio itself. Under
     FSDP2 every forward is a collective, so ranks with fewer batches repeat their last batch
     (results discarded) until every rank has run as many forwards as the busiest one.
     """
@@ -42,5 +49,6 @@ class Evaluator:
         # A rank with no eval batch has no names yet: agree on the union first.
         names = sorted({n for rank_names in gather_objects(sorted(pool.sums), self.info) for n in rank_names})
         values = pool.reduce(self.info, names)
+        values.update(derived_metrics(self.strategy, values))
         model.train(was_training)
         return values

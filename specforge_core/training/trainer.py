@@ -21,6 +21,7 @@ from ..config import TrainOptions
 from ..contracts import StepContext
 from .checkpoint import CheckpointManager, check_contract
 from .distributed import DistInfo, gather_objects, set_gradient_sync, shard_model
+from .evaluator import derived_metrics
 from .metrics import MetricsLog, RatioPool
 from .optim import build_optimizer, build_scheduler, trainable_parameters
 
@@ -196,6 +197,7 @@ class Trainer:
                   "tokens_per_s": total_tokens / elapsed, "data_wait_fraction": wait / elapsed,
                   "_tokens": total_tokens}
         record.update(values)
+        record.update(derived_metrics(self.strategy, values))
         return record
 
     def _evaluate(self) -> bool:

@@ -1,0 +1,140 @@
+"""Feature store throughput, as a ratio to the physical limit it runs into.
+
+For each store and sample size this prints one JSON line:
+
+- ``put_gbps``: put of one sample (the memory store keeps owned tensors without copying;
+  the disk store writes a file and, by default, fsyncs it and its directory);
+- ``get_gbps``: get plus copying every returned byte into a preallocated buffer, as a
+  collate does, so bytes a store maps lazily are really read;
+- ``memcpy_gbps`` and ``get_vs_memcpy``: ``Tensor.copy_`` of the same bytes, measured in
+  the same run (target for memory: >= 0.8);
+- disk only, ``raw_read_gbps`` and ``get_vs_raw_read``: a plain ``readinto`` of the same
+  file into a preallocated buffer (target: >= 0.7). Both reads run with the file in the
+  page cache (it was just written and is read again every repeat), so the comparison is
+  warm against warm. Disk lines come with ``verify_checksums`` true (the default) and false.
+
+Usage: ``python bench/feature_stores.py --sizes 1,8,64 --repeats 11``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from specforge_core.builtin import DiskStoreOptions, MemoryStoreOptions
+from specforge_core.feature_stores.disk import DiskFeatureStore
+from specforge_core.feature_stores.memory import MemoryFeatureStore
+from specforge_core.protocols import BuildContext
+
+HIDDEN = 4096  # a typical target hidden size; one bf16 row is 8 KiB
+CONTEXT = BuildContext(run_id="bench")
+
+
+def make_sample(mib: int) -> dict[str, torch.Tensor]:
+    tokens = max(1, mib * 2**20 // (HIDDEN * 2 + 8))
+    return {"hidden_states": torch.randn(tokens, HIDDEN).to(torch.bfloat16),
+            "input_ids": torch.randint(0, 32000, (tokens,))}
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def paired_medians(first: Callable[[], object], second: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median seconds of two operations timed alternately, so that load from other processes
+    or clock changes hit both alike; each runs once untimed first (page faults, page cache)."""
+    first(), second()
+    times = [(seconds(first), seconds(second)) for _ in range(repeats)]
+    return statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+
+
+def copy_into(dest: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        dest[name].copy_(tensor)
+
+
+def read_into(path: str, buffer: bytearray) -> None:
+    """The raw sequential read: the whole file into a preallocated buffer."""
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as fh:
+        while view:
+            got = fh.readinto(view)
+            if not got:
+                raise OSError(f"{path} ended early")
+            view = view[got:]
+
+
+def measure(store, sample: dict[str, torch.Tensor], repeats: int) -> dict:
+    size = nbytes(sample)
+    dest = {name: torch.empty_like(t) for name, t in sample.items()}
+    counter = iter(range(10**9))
+
+    def put_one():
+        sample_id = f"put-{next(counter)}"
+        store.put(sample_id, sample)
+        store.abort(sample_id)  # one sample stays resident, and the disk does not fill up
+
+    put_one()
+    put_s = statistics.median(seconds(put_one) for _ in range(repeats))
+    ref = store.put("read-me", sample)
+
+    def get():
+        copy_into(dest, store.get(ref))
+
+    get_s, memcpy_s = paired_medians(get, lambda: copy_into(dest, sample), repeats)
+    assert all(torch.equal(dest[name], sample[name]) for name in sample)
+    result = {"bytes": size, "put_gbps": size / put_s / 1e9, "get_gbps": size / get_s / 1e9,
+              "memcpy_gbps": size / memcpy_s / 1e9, "get_vs_memcpy": memcpy_s / get_s}
+    if isinstance(store, DiskFeatureStore):
+        path = store.path_of(ref)
+        buffer = bytearray(os.path.getsize(path))  # the file: tensor bytes plus the header
+        disk_get_s, raw_s = paired_medians(get, lambda: read_into(path, buffer), repeats)
+        raw_gbps, get_gbps = len(buffer) / raw_s / 1e9, size / disk_get_s / 1e9
+        result.update(raw_read_gbps=raw_gbps, get_vs_raw_read=get_gbps / raw_gbps)
+    return result
+
+
+def emit(record: dict) -> None:
+    record = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items()}
+    print(json.dumps({"bench": "feature_stores", "threads": torch.get_num_threads(), **record}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,8,64", help="sample sizes in MiB, comma separated")
+    parser.add_argument("--repeats", type=int, default=11, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--dir", default=None, help="directory for the disk store (default: a temporary one)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the copies (default 1: the raw read is one thread too, and "
+                             "multi-threaded copies turn erratic when other processes share the cores)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+
+    for mib in sizes:
+        sample = make_sample(mib)
+        with MemoryFeatureStore(MemoryStoreOptions(consume_once=False), CONTEXT) as store:
+            emit({"store": "memory", "size_mib": mib, **measure(store, sample, args.repeats)})
+        with tempfile.TemporaryDirectory(dir=args.dir) as root:
+            with DiskFeatureStore(DiskStoreOptions(path=os.path.join(root, "store")), CONTEXT) as store:
+                for verify in (True, False):
+                    store.verify_checksums = verify
+                    emit({"store": "disk", "size_mib": mib, "verify_checksums": verify, "fsync": store.fsync,
+                          **measure(store, sample, args.repeats)})
+
+
+if __name__ == "__main__":
+    main()

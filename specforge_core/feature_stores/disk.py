@@ -1,0 +1,490 @@
+"""The ``disk`` feature store: a directory of safetensors files, one per sample generation.
+
+Layout of the directory ``ROOT``::
+
+    ROOT/STORE.json                                    format, version, sha256 of the token
+    ROOT/ab/cd/<slug>.<digest>.<generation>.safetensors
+    ROOT/ab/cd/.<slug>.<digest>.<random>.tmp           a put in progress (or one that crashed)
+
+``digest`` is the first 32 hex digits of the sample id's sha256 and ``ab/cd`` its first
+four, so a directory holds a few hundred files even for hundreds of millions of samples.
+``slug`` is the sample id with every character but ASCII letters, digits, ``-`` and ``_``
+replaced by ``_``, cut to 40 characters: it keeps a listing readable while no sample id
+can name a path outside ``ROOT``.
+
+Each file's safetensors metadata holds the :class:`SampleRef` as it was put
+(``specforge.ref``) and a crc32 of each tensor's bytes (``specforge.crc32``). A feature
+file is data, never code: nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import os
+import re
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Iterator
+
+import attrs
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..contracts import SampleRef
+from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
+from .base import BaseFeatureStore, stale_error
+
+if TYPE_CHECKING:
+    from ..builtin import DiskStoreOptions
+    from ..protocols import BuildContext
+
+_MANIFEST = "STORE.json"
+_FORMAT = "specforge-disk-store"
+_VERSION = 1
+_REF_KEY = "specforge.ref"
+_CRC_KEY = "specforge.crc32"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_SHARD = re.compile(r"^[0-9a-f]{2}$")
+_SAMPLE_FILE = re.compile(r"^([A-Za-z0-9_-]*\.[0-9a-f]{32})\.([0-9]+)\.safetensors$")
+
+
+class DiskFeatureStore(BaseFeatureStore):
+    """Feature tensors in a directory, one safetensors file per sample generation.
+
+    Several processes may share the directory (a producer puts, a consumer on the same
+    filesystem gets and releases); everything they agree on lives in the files, so no
+    process holds state the others need.
+
+    - Puts are atomic: the file is written under a temporary name in the same directory,
+      fsynced (``fsync=True``), and published under its final name with a hard link, which
+      fails instead of overwriting if another process took the same generation; the
+      directory is fsynced before the put returns, and older generations are deleted after
+      the new one is in place.
+    - Generations are ``max(newest file + 1, microseconds since the epoch)``: derived from
+      the files, so they increase across processes, and never reused after every file of a
+      sample was deleted, so a ref from before a release or abort cannot read a later put.
+    - Reads memory-map the file (safetensors) privately: writing to a returned tensor never
+      changes the file, and the tensor stays valid after a release deletes the file. Files
+      are never modified in place; truncating one while its tensors are in use would crash
+      the reader (SIGBUS), as with any memory map.
+    - A file whose header or size is wrong (safetensors checks that the header covers the
+      file exactly), whose tensors differ from the ref's shapes and dtypes, or whose bytes
+      fail their crc32 raises :class:`CorruptFeatureError` naming the file; a short or wrong
+      tensor is never returned. The crc pass reads every byte once more and costs most of a
+      get's time (see ``bench/feature_stores.py``); ``verify_checksums = False`` skips it,
+      keeping the size and shape checks.
+    - ``release`` deletes the file when ``consume_once``; deletions are not fsynced, since a
+      file that a crash brings back costs disk space, never correctness (acks decide what
+      was trained).
+    - ``stats()`` walks the directory (one ``stat`` per file), so call it at log intervals,
+      not per sample; its ``puts``/``gets``/``releases``/``aborts`` count this instance only.
+    """
+
+    def __init__(self, options: DiskStoreOptions, context: BuildContext) -> None:
+        root = options.path
+        if root is None:
+            if context.output_dir is None:
+                raise FeatureStoreError(
+                    "the disk feature store needs a directory: set its path option "
+                    "(--set feature_store.path=DIR) or give the run an output directory"
+                )
+            root = os.path.join(context.output_dir, "features")
+        super().__init__(run_id=context.run_id, consume_once=options.consume_once)
+        self.root = os.path.abspath(root)
+        self.uri = "disk://" + self.root
+        self.fsync = options.fsync
+        #: Check each tensor's crc32 on get. An option field once the lead decides on one;
+        #: until then an options object may carry ``verify_checksums`` or a caller sets this.
+        self.verify_checksums = bool(getattr(options, "verify_checksums", True))
+        _attach(self.root, options.token, fsync=self.fsync)
+
+    # -- listing --------------------------------------------------------------------------
+
+    def scan(self) -> list[SampleRef]:
+        """A ref to the newest generation of every sample the directory holds, by sample id.
+
+        For offline manifests and resume. Reads file headers only; temporary files of puts
+        in progress (or of crashed ones) are skipped. An unreadable header raises
+        :class:`CorruptFeatureError` naming the file.
+        """
+        self._check_open("scan")
+        newest: dict[str, tuple[int, str]] = {}
+        for stem, generation, entry in self._walk():
+            if generation > newest.get(stem, (-1, ""))[0]:
+                newest[stem] = (generation, entry.path)
+        refs = []
+        for _generation, path in newest.values():
+            try:
+                reader = _open_file(path)
+            except FileNotFoundError:  # released, aborted or re-put while we listed
+                continue
+            with reader:
+                stored, _crcs = self._stored_ref(reader, path)
+            refs.append(attrs.evolve(stored, store=self.uri))
+        return sorted(refs, key=lambda ref: ref.sample_id)
+
+    def path_of(self, ref: SampleRef) -> str:
+        """The file that holds (or held) ``ref``'s generation of its sample."""
+        return self._file(ref.sample_id, ref.generation)
+
+    def _walk(self) -> Iterator[tuple[str, int, os.DirEntry]]:
+        """(file-name stem, generation, entry) of every published sample file."""
+        for level1 in _subdirs(self.root):
+            for level2 in _subdirs(level1.path):
+                with os.scandir(level2.path) as entries:
+                    for entry in entries:
+                        match = _SAMPLE_FILE.match(entry.name)
+                        if match:
+                            yield match.group(1), int(match.group(2)), entry
+
+    def _locate(self, sample_id: str) -> tuple[str, str]:
+        """(shard directory, file-name stem) of a sample."""
+        digest = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()
+        return os.path.join(self.root, digest[:2], digest[2:4]), f"{_UNSAFE.sub('_', sample_id)[:40]}.{digest[:32]}"
+
+    def _file(self, sample_id: str, generation: int) -> str:
+        shard, stem = self._locate(sample_id)
+        return os.path.join(shard, f"{stem}.{generation}.safetensors")
+
+    def _generations(self, sample_id: str) -> dict[int, str]:
+        """Generation -> path of every published file of one sample, as the directory holds them now."""
+        shard, stem = self._locate(sample_id)
+        try:
+            names = os.listdir(shard)
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for name in names:
+            match = _SAMPLE_FILE.match(name)
+            if match and match.group(1) == stem:
+                found[int(match.group(2))] = os.path.join(shard, name)
+        return found
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _store(self, draft: SampleRef, tensors: dict[str, torch.Tensor]) -> SampleRef:
+        tensors = _unshared(tensors)
+        crcs = json.dumps({name: _crc32(tensor) for name, tensor in tensors.items()})
+        shard, stem = self._locate(draft.sample_id)
+        tmp = os.path.join(shard, f".{stem}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            self._make_shard(shard)
+            while True:
+                generation = max(max(self._generations(draft.sample_id), default=-1) + 1, time.time_ns() // 1000)
+                ref = attrs.evolve(draft, generation=generation)
+                save_file(tensors, tmp, metadata={_REF_KEY: ref.to_json(), _CRC_KEY: crcs})
+                if self.fsync:
+                    _fsync(tmp)
+                if _publish(tmp, self._file(draft.sample_id, generation)):
+                    break
+                # another writer published this generation first: write again under the next one
+        except OSError as exc:
+            raise FeatureStoreError(
+                f"put({draft.sample_id!r}) could not write to {shard}: {exc}; nothing was stored "
+                f"(check free space and permissions of {self.root})"
+            ) from exc
+        finally:
+            _remove(tmp)
+        for old, path in self._generations(draft.sample_id).items():
+            if old < generation:
+                _remove(path)
+        if self.fsync:
+            _fsync(shard, directory=True)
+        return ref
+
+    def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
+        path = self._file(ref.sample_id, ref.generation)
+        try:
+            reader = _open_file(path)
+        except FileNotFoundError:
+            newer = [g for g in self._generations(ref.sample_id) if g > ref.generation]
+            if newer:
+                raise stale_error(ref, max(newer)) from None
+            raise self._not_found(ref, f" (no file {path})") from None
+        with reader:
+            stored, crcs = self._stored_ref(reader, path)
+            if stored.sample_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
+                raise _corrupt(path, f"it holds sample {stored.sample_id!r}, not {ref.sample_id!r}")
+            present = set(reader.keys())
+            return {name: self._read_tensor(reader, path, ref, name, present, crcs) for name in names}
+
+    def _release(self, ref: SampleRef) -> bool:
+        path = self._file(ref.sample_id, ref.generation)
+        if not self.consume_once:
+            return os.path.exists(path)
+        return _remove(path)
+
+    def _drop(self, sample_id: str) -> bool:
+        removed = [_remove(path) for path in self._generations(sample_id).values()]
+        return any(removed)
+
+    def _resident(self) -> tuple[int, int]:
+        stems, nbytes = set(), 0
+        for stem, _generation, entry in self._walk():
+            try:
+                nbytes += entry.stat().st_size
+            except FileNotFoundError:  # released while we walked
+                continue
+            stems.add(stem)
+        return len(stems), nbytes
+
+    # -- reading one file -----------------------------------------------------------------
+
+    def _stored_ref(self, reader: Any, path: str) -> tuple[SampleRef, dict[str, int]]:
+        """The ref and crcs recorded in a file, checked against the file's own name."""
+        metadata = reader.metadata() or {}
+        try:
+            stored = SampleRef.from_json(metadata[_REF_KEY])
+            crcs = json.loads(metadata[_CRC_KEY])
+        except (KeyError, ValueError, RecordError) as exc:
+            raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc})") from None
+        if not isinstance(crcs, dict) or self._file(stored.sample_id, stored.generation) != path:
+            raise _corrupt(path, f"its metadata (sample {stored.sample_id!r}, generation {stored.generation}) "
+                                 "does not match its file name")
+        return stored, crcs
+
+    def _read_tensor(self, reader: Any, path: str, ref: SampleRef, name: str, present: set[str],
+                     crcs: dict[str, int]) -> torch.Tensor:
+        if name not in present:
+            raise _corrupt(path, f"it has no tensor {name!r}, which the ref lists")
+        try:
+            tensor = reader.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
+            raise _corrupt(path, f"feature {name!r} cannot be read ({exc})") from None
+        want = ref.features[name]
+        got_dtype = str(tensor.dtype).removeprefix("torch.")
+        if tuple(tensor.shape) != want.shape or got_dtype != want.dtype:
+            raise _corrupt(path, f"feature {name!r} is {got_dtype}{list(tensor.shape)} but the ref says "
+                                 f"{want.dtype}{list(want.shape)}")
+        if self.verify_checksums:
+            actual = _crc32(tensor)
+            if actual != crcs.get(name):
+                raise _corrupt(path, f"feature {name!r} fails its crc32 check (recorded {crcs.get(name)}, "
+                                     f"read {actual}): its bytes changed after they were written")
+        return tensor
+
+    def _make_shard(self, shard: str) -> None:
+        if os.path.isdir(shard):
+            return
+        os.makedirs(shard, exist_ok=True)
+        if self.fsync:  # the new directories' own entries must survive a crash too
+            _fsync(os.path.dirname(shard), directory=True)
+            _fsync(self.root, directory=True)
+
+
+# -- the directory's manifest ---------------------------------------------------------------
+
+
+def _token_hash(token: str | None) -> str | None:
+    return None if token is None else hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _attach(root: str, token: str | None, *, fsync: bool) -> None:
+    """Create ``root/STORE.json`` on first use, or check the one there against ``token``."""
+    os.makedirs(root, exist_ok=True)
+    manifest = os.path.join(root, _MANIFEST)
+    if not os.path.exists(manifest):
+        strays = sorted(name for name in os.listdir(root) if not name.startswith("."))
+        if strays:
+            raise FeatureStoreError(
+                f"{root} is not empty ({', '.join(strays[:3])}{', ...' if len(strays) > 3 else ''}) and has no "
+                f"{_MANIFEST}, so it is not a specforge disk store; point the store's path at a new or empty directory"
+            )
+        body = {"format": _FORMAT, "version": _VERSION, "token_sha256": _token_hash(token)}
+        tmp = os.path.join(root, f".{_MANIFEST}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(body, fh)
+            if fsync:
+                _fsync(tmp)
+            _publish(tmp, manifest)  # False: another process created the store first; check theirs below
+        finally:
+            _remove(tmp)
+        if fsync:
+            _fsync(root, directory=True)
+    _check_manifest(root, manifest, token)
+
+
+def _check_manifest(root: str, manifest: str, token: str | None) -> None:
+    try:
+        with open(manifest, encoding="utf-8") as fh:
+            info = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise FeatureStoreError(f"{manifest} cannot be read ({exc}); restore it or use a new directory") from None
+    if not isinstance(info, dict) or info.get("format") != _FORMAT or \
+            not isinstance(info.get("token_sha256"), (str, type(None))):
+        raise FeatureStoreError(f"{manifest} is not a specforge disk store manifest; use a new or empty directory")
+    if info.get("version") != _VERSION:
+        raise FeatureStoreError(
+            f"{manifest} has version {info.get('version')!r}, this specforge reads version {_VERSION}; "
+            "use the specforge release that wrote the store, or capture the features again"
+        )
+    have, want = info.get("token_sha256"), _token_hash(token)
+    if have is None and want is not None:
+        raise FeatureStoreError(
+            f"disk store {root} was created without a token, but a token was given; drop the token option "
+            "or use a new directory"
+        )
+    if have is not None and want is None:
+        raise FeatureStoreError(
+            f"disk store {root} is protected by a token and none was given; pass the token it was created with "
+            "(--set feature_store.token=...)"
+        )
+    if have is not None and not hmac.compare_digest(have, want):
+        raise FeatureStoreError(
+            f"the token does not match the one disk store {root} was created with; check that this job should "
+            "use this directory (feature_store.path) and pass that store's token"
+        )
+
+
+# -- small file-system helpers ------------------------------------------------------------
+
+
+# -- crc32 of a tensor, on several cores --------------------------------------------------
+#
+# One zlib.crc32 runs at about 2-3 GB/s, well below a warm sequential read, so a large
+# tensor is split into blocks whose crcs are computed in threads (zlib releases the GIL)
+# and joined with crc32_combine. The recorded value stays the plain crc32 of the tensor's
+# bytes, which any tool can recompute.
+
+_CRC_BLOCK = 4 << 20
+_CRC_POLY = 0xEDB88320  # reflected crc32 polynomial, as in zlib
+_crc_pool: ThreadPoolExecutor | None = None
+_crc_pool_lock = threading.Lock()
+
+
+def _crc32(tensor: torch.Tensor) -> int:
+    data = tensor.reshape(-1).view(torch.uint8).numpy()
+    if data.nbytes <= _CRC_BLOCK:
+        return zlib.crc32(data)
+    blocks = [data[start:start + _CRC_BLOCK] for start in range(0, data.nbytes, _CRC_BLOCK)]
+    crc = 0
+    for block, block_crc in zip(blocks, _crc_threads().map(zlib.crc32, blocks)):
+        crc = _crc32_combine(crc, block_crc, block.nbytes)
+    return crc
+
+
+def _crc_threads() -> ThreadPoolExecutor:
+    global _crc_pool
+    with _crc_pool_lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="specforge-crc")
+        return _crc_pool
+
+
+def _gf2_multiply(a: int, b: int) -> int:
+    """a * b modulo the crc32 polynomial (bit-reflected, as zlib's multmodp)."""
+    product, mask = 0, 1 << 31
+    while mask:
+        if a & mask:
+            product ^= b
+        mask >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+    return product
+
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(A + B) from crc1 = crc32(A), crc2 = crc32(B) and len(B) (zlib's crc32_combine)."""
+    return _gf2_multiply(_shift_by_bytes(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_by_bytes(nbytes: int) -> int:
+    """x^(8 * nbytes) modulo the polynomial; cached, since every block but a tensor's last has one size."""
+    shift, power = 1 << 31, 1 << 30  # x^0 and x^1
+    bits = nbytes * 8
+    while bits:  # square-and-multiply
+        if bits & 1:
+            shift = _gf2_multiply(power, shift)
+        power = _gf2_multiply(power, power)
+        bits >>= 1
+    return shift
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors, one storage each.
+
+    safetensors refuses to write two names over one storage (one tensor put under two
+    feature names), because it could not tell them apart on load; a repeat gets a copy.
+    """
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.cpu()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer and pointer in seen:
+            tensor = tensor.clone()
+        seen.add(pointer)
+        out[name] = tensor
+    return out
+
+
+def _open_file(path: str) -> Any:
+    """``safe_open`` of a sample file (memory-mapped); a missing file raises FileNotFoundError,
+    one safetensors cannot parse (bad header, wrong size) raises CorruptFeatureError."""
+    try:
+        return safe_open(path, framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
+        raise _corrupt(path, f"not a readable safetensors file ({exc})") from None
+
+
+def _corrupt(path: str, what: str) -> CorruptFeatureError:
+    return CorruptFeatureError(
+        f"{path}: {what}. The file is damaged or was not written by this store; delete it and capture "
+        "the sample again"
+    )
+
+
+def _publish(tmp: str, final: str) -> bool:
+    """Give the complete file ``tmp`` the name ``final`` unless that name exists already.
+
+    A hard link never overwrites, so two writers cannot both believe they published one
+    name. Filesystems without hard links fall back to check-then-replace, which can only
+    lose a race between two concurrent puts of one sample.
+    """
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    except OSError:
+        if os.path.exists(final):
+            return False
+        os.replace(tmp, final)
+        return True
+    os.unlink(tmp)
+    return True
+
+
+def _remove(path: str) -> bool:
+    """Delete ``path``; whether it was there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _fsync(path: str, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _subdirs(path: str) -> list[os.DirEntry]:
+    """The two-hex-digit shard directories under ``path`` (none if ``path`` vanished)."""
+    try:
+        with os.scandir(path) as entries:
+            return [entry for entry in entries if _SHARD.match(entry.name) and entry.is_dir()]
+    except FileNotFoundError:
+        return []

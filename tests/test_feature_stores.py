@@ -1,0 +1,430 @@
+"""The built-in feature stores: the shared contract, then what only memory or only disk does."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import weakref
+import zlib
+
+import attrs
+import pytest
+import torch
+from safetensors import safe_open
+
+from specforge_core.builtin import DiskStoreOptions, MemoryStoreOptions
+from specforge_core.contracts import FeatureSpec
+from specforge_core.errors import (
+    CorruptFeatureError,
+    FeatureStoreError,
+    SampleNotFoundError,
+    StaleRefError,
+    StoreFullError,
+)
+from specforge_core.feature_stores.disk import DiskFeatureStore
+from specforge_core.feature_stores.memory import MemoryFeatureStore
+from specforge_core.protocols import BuildContext, FeatureStore
+from specforge_core.testing.feature_store_suite import (
+    FeatureStoreConformance,
+    assert_same_tensors,
+    counts,
+    sample_tensors,
+)
+
+CONTEXT = BuildContext(run_id="test-run")
+
+
+def memory_store(**options) -> MemoryFeatureStore:
+    return MemoryFeatureStore(MemoryStoreOptions(**options), CONTEXT)
+
+
+def disk_store(path, **options) -> DiskFeatureStore:
+    return DiskFeatureStore(DiskStoreOptions(path=str(path), **options), CONTEXT)
+
+
+# -- the contract, for each store in each mode ----------------------------------------------
+
+
+class TestMemoryStoreConsumeOnce(FeatureStoreConformance):
+    consume_once = True
+
+    def make_store(self, tmp_path):
+        return memory_store(consume_once=True)
+
+
+class TestMemoryStoreRetaining(FeatureStoreConformance):
+    consume_once = False
+
+    def make_store(self, tmp_path):
+        return memory_store(consume_once=False)
+
+
+class TestDiskStoreConsumeOnce(FeatureStoreConformance):
+    consume_once = True
+    persistent = True
+
+    def make_store(self, tmp_path):
+        return disk_store(tmp_path / "store", consume_once=True)
+
+
+class TestDiskStoreRetaining(FeatureStoreConformance):
+    consume_once = False
+    persistent = True
+
+    def make_store(self, tmp_path):
+        # fsync off here (it is on in every other disk test) so the retained-mode run stays fast
+        return disk_store(tmp_path / "store", consume_once=False, fsync=False)
+
+
+def test_both_stores_satisfy_the_feature_store_protocol(tmp_path):
+    assert isinstance(memory_store(), FeatureStore)
+    assert isinstance(disk_store(tmp_path / "store"), FeatureStore)
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def test_memory_uri_names_the_run_and_differs_per_instance():
+    first, second = memory_store(), memory_store()
+    assert re.fullmatch(r"memory://test-run/[0-9a-f]{12}", first.uri)
+    assert first.uri != second.uri
+
+
+def test_memory_put_beyond_max_bytes_raises_store_full_and_loses_nothing():
+    store = memory_store(max_bytes=600)
+    kept = store.put("a", {"x": torch.arange(50, dtype=torch.int64)})  # 400 bytes
+    before = counts(store.stats())
+    with pytest.raises(StoreFullError, match=r"400 bytes .*resident.*max_bytes=600.*'b' needs 400 bytes.*raise "
+                                              r"max_bytes"):
+        store.put("b", {"x": torch.arange(50, dtype=torch.int64)})
+    assert counts(store.stats()) == before
+    assert_same_tensors(store.get(kept), {"x": torch.arange(50, dtype=torch.int64)})
+    with pytest.raises(SampleNotFoundError, match="'b'.*never stored"):
+        store.get(attrs.evolve(kept, sample_id="b"))
+
+
+def test_memory_refused_reput_keeps_the_current_generation():
+    store = memory_store(max_bytes=600)
+    kept = store.put("a", {"x": torch.zeros(100)})  # 400 bytes
+    with pytest.raises(StoreFullError):
+        store.put("a", {"x": torch.zeros(200)})  # would be 800 bytes once the old copy is gone
+    assert_same_tensors(store.get(kept), {"x": torch.zeros(100)})
+
+
+def test_memory_reput_counts_only_the_newest_generation_against_the_cap():
+    store = memory_store(max_bytes=600)
+    store.put("a", {"x": torch.zeros(100)})
+    ref = store.put("a", {"x": torch.ones(150)})  # 600 bytes: fits once the old 400 are dropped
+    assert store.stats()["bytes_resident"] == 600
+    store.release(ref)
+    assert store.put("b", {"x": torch.zeros(150)}).nbytes == 600
+
+
+def test_memory_bytes_resident_is_exactly_the_tensor_bytes():
+    store = memory_store()
+    ref = store.put("s", sample_tensors(tokens=6, width=4))
+    assert store.stats()["bytes_resident"] == ref.nbytes == 6 * 8 + 6 * 4 * 2 + 6
+
+
+def test_memory_slice_of_a_padded_batch_does_not_pin_the_batch():
+    batch = torch.zeros(8, 1024, 16)
+    alive = weakref.ref(batch)
+    store = memory_store()
+    ref = store.put("s", {"hidden_states": batch[3, :10]})
+    stored = store.get(ref)["hidden_states"]
+    assert stored.untyped_storage().nbytes() == 10 * 16 * 4
+    del batch
+    gc.collect()
+    assert alive() is None
+
+
+def test_memory_owned_tensor_is_kept_without_a_copy():
+    tensor = torch.randn(10, 4)
+    store = memory_store()
+    ref = store.put("s", {"h": tensor})
+    assert store.get(ref)["h"].data_ptr() == tensor.data_ptr()
+
+
+def test_memory_non_contiguous_tensor_is_stored_as_a_compact_copy():
+    base = torch.arange(12.0).reshape(3, 4)
+    store = memory_store()
+    got = store.get(store.put("s", {"t": base.t()}))["t"]
+    assert got.is_contiguous()
+    assert torch.equal(got, base.t())
+
+
+# -- disk: layout, naming, atomicity --------------------------------------------------------
+
+
+def sample_file(store: DiskFeatureStore, sample_id: str):
+    """The one published file of ``sample_id`` (found by listing, as an operator would)."""
+    slug = re.sub(r"[^A-Za-z0-9_-]", "_", sample_id)[:40]
+    files = [p for p in _published(store) if p.name.startswith(slug + ".")]
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _published(store: DiskFeatureStore):
+    from pathlib import Path
+
+    return sorted(Path(store.root).rglob("*.safetensors"))
+
+
+def test_disk_creates_a_manifest_and_one_sharded_file_per_sample(tmp_path):
+    store = disk_store(tmp_path / "store")
+    store.put("s", sample_tensors())
+    manifest = json.loads((tmp_path / "store" / "STORE.json").read_text())
+    assert manifest == {"format": "specforge-disk-store", "version": 1, "token_sha256": None}
+    path = sample_file(store, "s")
+    assert path.parent.parent.parent == tmp_path / "store"
+    assert re.fullmatch(r"[0-9a-f]{2}", path.parent.name) and re.fullmatch(r"[0-9a-f]{2}", path.parent.parent.name)
+    assert store.uri == f"disk://{tmp_path / 'store'}"
+
+
+def test_disk_relative_path_gives_an_absolute_uri(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = disk_store("relative")
+    assert store.uri == f"disk://{tmp_path / 'relative'}"
+
+
+def test_disk_path_defaults_to_the_run_output_directory(tmp_path):
+    store = DiskFeatureStore(DiskStoreOptions(), BuildContext(run_id="r", output_dir=str(tmp_path / "out")))
+    assert store.root == str(tmp_path / "out" / "features")
+
+
+def test_disk_without_path_or_output_directory_says_what_to_set():
+    with pytest.raises(FeatureStoreError, match=r"needs a directory.*feature_store\.path"):
+        DiskFeatureStore(DiskStoreOptions(), BuildContext(run_id="r"))
+
+
+def test_disk_puts_leave_no_temporary_files_and_reput_removes_the_older_file(tmp_path):
+    store = disk_store(tmp_path / "store")
+    for seed in range(3):
+        ref = store.put("s", sample_tensors(seed=seed))
+    store.put("t", sample_tensors())
+    files = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
+    assert sorted(p.name.split(".")[0] for p in files) == ["STORE", "s", "t"]
+    assert sample_file(store, "s").name.endswith(f".{ref.generation}.safetensors")
+
+
+def test_disk_leftover_temporary_file_of_a_crashed_put_is_ignored(tmp_path):
+    store = disk_store(tmp_path / "store")
+    ref = store.put("s", sample_tensors())
+    shard = sample_file(store, "s").parent
+    stem = sample_file(store, "s").name.rsplit(".", 2)[0]
+    (shard / f".{stem}.0123456789ab.tmp").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"trunc")
+    assert store.scan() == [ref]
+    assert_same_tensors(store.get(ref), sample_tensors())
+    assert counts(store.stats())["samples"] == 1
+    assert (shard / f".{stem}.0123456789ab.tmp").exists()  # left for the operator, never read
+
+
+def test_disk_consume_once_release_deletes_the_file(tmp_path):
+    store = disk_store(tmp_path / "store", consume_once=True)
+    ref = store.put("s", sample_tensors())
+    store.release(ref)
+    assert _published(store) == []
+
+
+WEIRD_IDS = ["a/../b", "a_.._b", "../../etc/passwd", "/abs/path", "日本語 サンプル", "with.dots and spaces",
+             "x" * 500, "back\\slash:colon*?", ".hidden", "nul\x00byte", "lone\udcffsurrogate", "S", "s"]
+
+
+def test_disk_weird_sample_ids_stay_inside_the_store_and_roundtrip(tmp_path):
+    store = disk_store(tmp_path / "store", fsync=False)
+    refs = {sample_id: store.put(sample_id, sample_tensors(seed=i)) for i, sample_id in enumerate(WEIRD_IDS)}
+    for i, sample_id in enumerate(WEIRD_IDS):
+        assert_same_tensors(store.get(refs[sample_id]), sample_tensors(seed=i))
+    root = (tmp_path / "store").resolve()
+    for path in (tmp_path / "store").rglob("*"):
+        assert path.resolve().is_relative_to(root)
+        assert re.fullmatch(r"[A-Za-z0-9_.-]+", path.name), path.name
+    assert sorted(ref.sample_id for ref in store.scan()) == sorted(WEIRD_IDS)
+    assert len(_published(store)) == len(WEIRD_IDS)
+
+
+def test_disk_scan_lists_the_newest_generation_of_every_sample(tmp_path):
+    store = disk_store(tmp_path / "store")
+    store.put("b", sample_tensors(seed=1))
+    newest_b = store.put("b", sample_tensors(seed=2), {"line": 2})
+    a = store.put("a", sample_tensors(seed=3))
+    released = store.put("c", sample_tensors(seed=4))
+    store.abort("c")
+    assert store.scan() == [a, newest_b]
+    assert disk_store(tmp_path / "store").scan() == [a, newest_b]
+    assert released not in store.scan()
+
+
+def test_disk_generations_increase_across_store_instances_sharing_a_directory(tmp_path):
+    first = disk_store(tmp_path / "store")
+    second = disk_store(tmp_path / "store")
+    old = first.put("s", sample_tensors(seed=1))
+    new = second.put("s", sample_tensors(seed=2))
+    assert new.generation > old.generation
+    with pytest.raises(StaleRefError, match=rf"'s'.*{old.generation}.*{new.generation}"):
+        first.get(old)
+    assert_same_tensors(first.get(new), sample_tensors(seed=2))
+
+
+def test_disk_stats_count_files_on_disk(tmp_path):
+    store = disk_store(tmp_path / "store")
+    store.put("a", sample_tensors())
+    store.put("b", sample_tensors())
+    stats = store.stats()
+    assert stats["samples"] == 2
+    assert stats["bytes_resident"] == sum(p.stat().st_size for p in _published(store))
+
+
+def test_disk_one_tensor_under_two_feature_names_is_stored_twice(tmp_path):
+    store = disk_store(tmp_path / "store")
+    shared = torch.arange(6)
+    got = store.get(store.put("s", {"input_ids": shared, "labels": shared}))
+    assert_same_tensors(got, {"input_ids": torch.arange(6), "labels": torch.arange(6)})
+
+
+def test_disk_put_without_fsync_reads_back(tmp_path):
+    store = disk_store(tmp_path / "store", fsync=False)
+    assert_same_tensors(store.get(store.put("s", sample_tensors())), sample_tensors())
+
+
+# -- disk: damaged files are errors, never wrong tensors -------------------------------------
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A store with a ``victim`` sample to damage and a ``bystander`` that must survive it."""
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    victim = store.put("victim", {"hidden_states": torch.randn(64, 32)})
+    bystander = store.put("bystander", sample_tensors())
+    return store, victim, bystander, sample_file(store, "victim")
+
+
+def _bystander_unharmed(store, bystander) -> None:
+    assert_same_tensors(store.get(bystander), sample_tensors())
+
+
+@pytest.mark.parametrize("keep", [0, 7, 100, -1], ids=["empty", "in-length-prefix", "in-header", "one-byte-short"])
+def test_disk_truncated_file_is_corrupt_and_named(damaged, keep):
+    store, victim, bystander, path = damaged
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*delete it and capture"):
+        store.get(victim)
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path))):
+        store.scan()
+    assert path.exists()  # kept for inspection; the store never deletes evidence
+    _bystander_unharmed(store, bystander)
+
+
+def test_disk_truncation_is_caught_even_without_checksums(damaged):
+    store, victim, bystander, path = damaged
+    store.verify_checksums = False
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path))):
+        store.get(victim)
+
+
+def test_disk_corrupted_header_is_corrupt_and_named(damaged):
+    store, victim, bystander, path = damaged
+    data = bytearray(path.read_bytes())
+    data[8:24] = b"\xff" * 16  # the JSON header starts after the 8-byte length
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ".*not a readable safetensors file"):
+        store.get(victim)
+    _bystander_unharmed(store, bystander)
+
+
+def test_disk_flipped_data_byte_fails_the_checksum(damaged):
+    store, victim, bystander, path = damaged
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its crc32"):
+        store.get(victim)
+    _bystander_unharmed(store, bystander)
+
+
+def test_disk_records_the_plain_crc32_of_large_tensors_and_catches_a_flip_in_any_block(tmp_path):
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    big = torch.randint(0, 256, (9 * 2**20 + 3,), dtype=torch.uint8)  # three crc blocks, the last one short
+    ref = store.put("big", {"hidden_states": big})
+    path = sample_file(store, "big")
+    with safe_open(str(path), framework="pt") as reader:
+        recorded = json.loads(reader.metadata()["specforge.crc32"])
+    assert recorded == {"hidden_states": zlib.crc32(big.numpy())}
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5 * 2**20] ^= 0x80  # inside the middle block
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32 check"):
+        store.get(ref)
+
+
+def test_disk_file_whose_shape_differs_from_the_ref_is_corrupt(damaged):
+    store, victim, bystander, path = damaged
+    lying = attrs.evolve(victim, features={"hidden_states": FeatureSpec((32, 64), "float32")})
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' is float32\[64, 32\] "
+                                                                         r"but the ref says float32\[32, 64\]"):
+        store.get(lying)
+    assert store.get(victim)["hidden_states"].shape == (64, 32)
+
+
+def test_disk_file_renamed_to_another_sample_is_corrupt(damaged):
+    store, victim, bystander, path = damaged
+    impostor = store.put("impostor", {"hidden_states": torch.zeros(64, 32)})
+    os.replace(path, sample_file(store, "impostor"))
+    with pytest.raises(CorruptFeatureError, match="does not match its file name"):
+        store.get(impostor)
+
+
+def test_disk_file_removed_behind_the_stores_back_is_not_found(damaged):
+    store, victim, bystander, path = damaged
+    path.unlink()
+    with pytest.raises(SampleNotFoundError, match=r"'victim'.*no file .*" + re.escape(path.name)):
+        store.get(victim)
+    assert store.scan() == [bystander]
+    _bystander_unharmed(store, bystander)
+
+
+# -- disk: who may attach --------------------------------------------------------------------
+
+
+def test_disk_token_is_checked_on_attach(tmp_path):
+    store = disk_store(tmp_path / "store", token="s3cret")
+    ref = store.put("s", sample_tensors())
+    manifest = (tmp_path / "store" / "STORE.json").read_text()
+    assert "s3cret" not in manifest
+    with pytest.raises(FeatureStoreError, match="token does not match.*feature_store.path"):
+        disk_store(tmp_path / "store", token="wrong")
+    with pytest.raises(FeatureStoreError, match="protected by a token and none was given"):
+        disk_store(tmp_path / "store")
+    assert (tmp_path / "store" / "STORE.json").read_text() == manifest
+    assert_same_tensors(disk_store(tmp_path / "store", token="s3cret").get(ref), sample_tensors())
+
+
+def test_disk_token_given_for_a_store_created_without_one_is_refused(tmp_path):
+    disk_store(tmp_path / "store").put("s", sample_tensors())
+    with pytest.raises(FeatureStoreError, match="created without a token, but a token was given"):
+        disk_store(tmp_path / "store", token="s3cret")
+
+
+def test_disk_refuses_a_non_empty_directory_that_is_not_a_store(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(FeatureStoreError, match=r"not empty \(notes.txt\).*not a specforge disk store"):
+        disk_store(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "STORE.json").exists()
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ("{not json", "cannot be read"),
+    ('{"format": "something-else", "version": 1}', "not a specforge disk store manifest"),
+    ('{"format": "specforge-disk-store", "version": 99, "token_sha256": null}', "version 99.*reads version 1"),
+])
+def test_disk_refuses_a_manifest_it_does_not_understand(tmp_path, manifest, message):
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "STORE.json").write_text(manifest)
+    with pytest.raises(FeatureStoreError, match=message):
+        disk_store(tmp_path / "store")
+    assert (tmp_path / "store" / "STORE.json").read_text() == manifest
