@@ -221,6 +221,76 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
                f"{result['ratio_to_unpadded_minimum']:.3f}x the unpadded minimum; features in {result['output']}")
 
 
+@cli.command(name="export")
+@click.argument("source", type=click.Path(exists=True, file_okay=False), metavar="RUN_OR_CHECKPOINT")
+@click.option("--format", "fmt", default="sglang", show_default=True, type=click.Choice(["sglang"]),
+              help="Serving format to write.")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Directory to write the draft to.")
+def export_command(source: str, fmt: str, output: str) -> None:
+    """Export a trained draft for serving.
+
+    RUN_OR_CHECKPOINT is a run's output directory (its best checkpoint, else the latest)
+    or one checkpoint directory. Writes safetensors and a config.json SGLang loads.
+    """
+    from .export import export_model, rebuild_model, resolve_checkpoint
+
+    try:
+        checkpoint, run_dir = resolve_checkpoint(source)
+        strategy, model, target, _frozen = rebuild_model(get_plugin_manager(), checkpoint, run_dir)
+        out = export_model(strategy, model, target, output, fmt)
+    except SpecforgeError as exc:
+        _fail(exc)
+    click.echo(f"exported {checkpoint.name} as {fmt} to {out}")
+
+
+@cli.command(name="eval")
+@click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False),
+              help="An exported draft directory (`specforge export` or OUTPUT/export of a run).")
+@click.option("--target-model", default=None, metavar="PATH", help="Target model folder. Default: the toy target.")
+@click.option("--target-engine", default="hf", show_default=True, metavar="NAME", help="Target engine plugin.")
+@click.option("--prompts", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL conversations; each is cut at its last user turn. Default: the toy target's eval split.")
+@click.option("--num-prompts", default=32, show_default=True, help="How many prompts to decode.")
+@click.option("--max-new-tokens", default=64, show_default=True, help="Tokens generated per prompt.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
+def eval_command(draft: str, target_model: str | None, target_engine: str, prompts: str | None, num_prompts: int,
+                 max_new_tokens: int, as_json: bool) -> None:
+    """Measure a draft's real acceptance length with speculative decoding.
+
+    Every prompt is decoded twice: by the target alone (greedy) and speculatively with
+    the draft. The outputs must be identical token for token (exit status 1 otherwise);
+    tau_real is tokens per target verification forward, bonus token included.
+    """
+    from .export import load_exported_draft
+    from .options import build_options
+    from .protocols import BuildContext
+    from .speculative import measure_acceptance, prompts_from_jsonl
+
+    try:
+        manager = get_plugin_manager()
+        spec = manager.get("target_engine", target_engine)
+        values = {"model": target_model} if target_model else {}
+        engine = spec.load_factory()(build_options(spec.options, values, section="target_engine"), BuildContext())
+        strategy, model = load_exported_draft(manager, draft, engine)
+        if prompts is None:
+            default = getattr(engine, "default_data", lambda: None)()
+            if default is None:
+                raise OptionError("no prompts: pass --prompts FILE (only the toy target ships held-out prompts)")
+            prompts = str(default[1])
+        prompt_ids = prompts_from_jsonl(prompts, engine.tokenizer, limit=num_prompts)
+        if not prompt_ids:
+            raise OptionError(f"{prompts} holds no usable prompt (a conversation with a user turn)")
+        result = measure_acceptance(strategy, model, engine, prompt_ids, max_new_tokens=max_new_tokens)
+    except SpecforgeError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"tau_real {result['tau_real']:.3f} ({result['convention']}) over {result['prompts']} prompts, "
+                   f"{result['tokens']} tokens in {result['target_forwards']} target forwards; output identical to "
+                   "the target's greedy decode")
+
+
 def build_cli() -> click.Group:
     """The CLI with every plugin's sub-commands added."""
     manager = get_plugin_manager()

@@ -57,6 +57,10 @@ class TrainOptions:
     save_every: int = option(0, "Checkpoint every N optimizer steps (0: only at the end).", check=non_negative)
     keep_last: int = option(2, "Checkpoints kept by rotation (best is never deleted).", check=positive)
     device: str = option("auto", "Training device: auto, cpu, cuda.", choices=("auto", "cpu", "cuda"))
+    export: bool = option(True, "At the end, export the draft for serving into OUTPUT/export (when the strategy can).")
+    real_eval_prompts: int = option(16, "Held-out prompts for the real speculative-decoding check at the end "
+                                        "(tau_real); 0 skips it.", check=non_negative)
+    real_eval_max_new_tokens: int = option(64, "Tokens generated per prompt in that check.", check=positive)
 
 
 @attrs.frozen
@@ -110,6 +114,17 @@ class RunPlan:
             "train": options_to_dict(self.train),
             "data": options_to_dict(self.data),
         }
+
+
+def plan_to_raw(plan_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A resolved plan (``RunPlan.to_dict()``) back to the raw config that resolves to it."""
+    raw: dict[str, Any] = {kind: {"name": plan_dict[kind]["name"], **plan_dict[kind]["options"]}
+                           for kind in COMPONENT_SECTIONS}
+    raw.update({"train": dict(plan_dict["train"]), "data": dict(plan_dict["data"]), "output": plan_dict["output"],
+                "run_id": plan_dict["run_id"]})
+    if plan_dict.get("features"):
+        raw["features"] = plan_dict["features"]
+    return raw
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -90,10 +90,15 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
                           best_mode=spec.best_mode, summary_extra=summary_extra)
         manager.hook.specforge_run_started(run_id=plan.run_id, output_dir=str(Path(plan.output)),
                                            config=plan.to_dict())
+        if info.is_main:
+            from .export import write_run_file
+
+            write_run_file(plan.output, plan, source.target)
         if resume:
             trainer.resume(resume)
         source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size)
         summary = trainer.fit()
+        summary = finalize(plan, strategy, trainer, source, info, context, summary)
         if info.is_main:
             manager.hook.specforge_run_finished(run_id=plan.run_id, output_dir=str(plan.output), summary=summary)
         return summary
@@ -101,3 +106,64 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         if source is not None:
             source.close()
         shutdown()
+
+
+def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any, str | None]:
+    """The target engine for the real acceptance check: the run's own, or one built for it."""
+    engine = getattr(source, "engine", None)
+    if engine is not None:
+        return engine, None
+    from .features import frozen_fingerprint
+
+    try:
+        engine = build_component(plan, "target_engine", context)
+    except SpecforgeError as exc:
+        return None, f"no target engine for the real check: {exc}"
+    if frozen_fingerprint(engine.frozen_parts()) != source.fingerprint:
+        return None, ("the target engine's model is not the one the features were captured from; pass "
+                      "--set target_engine.model=PATH to measure tau_real")
+    return engine, None
+
+
+def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any, context: BuildContext,
+             summary: dict[str, Any]) -> dict[str, Any]:
+    """Export the final draft and measure real acceptance; adds both to ``summary.json``."""
+    import json
+
+    from .capture import data_paths
+    from .export import export_model
+    from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_jsonl
+    from .training.checkpoint import load_model_state, model_state
+    from .training.distributed import DistInfo
+
+    train = plan.train
+    wants_export = train.export and hasattr(strategy, "export")
+    wants_real = train.real_eval_prompts > 0 and hasattr(strategy, "speculate")
+    if not (wants_export or wants_real):
+        return summary
+    state = model_state(trainer.model, info)  # a collective under FSDP2: every rank takes part
+    if not info.is_main:
+        return summary
+    model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
+    load_model_state(model, state, DistInfo())
+    extra: dict[str, Any] = {"tau_sim": summary.get("final_eval", {}).get("eval/tau_sim"),
+                             "tau_sim_convention": TAU_SIM_CONVENTION}
+    if wants_export:
+        extra["export"] = str(export_model(strategy, model, source.target, Path(plan.output) / "export"))
+    if wants_real:
+        engine, reason = _eval_engine(plan, source, context)
+        eval_path = data_paths(plan, engine)[1] if engine is not None else None
+        if engine is not None and eval_path is None:
+            reason = "no held-out prompts: pass --set data.eval_path=FILE"
+        if reason is None:
+            prompts = prompts_from_jsonl(eval_path, engine.tokenizer, limit=train.real_eval_prompts)
+            result = measure_acceptance(strategy, model, engine, prompts,
+                                        max_new_tokens=train.real_eval_max_new_tokens)
+            extra["tau_real"] = result["tau_real"]
+            extra["real_eval"] = {k: v for k, v in result.items() if k != "per_prompt"}
+        else:
+            extra["tau_real"] = None
+            extra["real_eval"] = {"skipped": reason}
+    summary.update(extra)
+    (Path(plan.output) / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    return summary

@@ -1,0 +1,104 @@
+"""Real acceptance measurement: speculative decoding against the target, checked lossless.
+
+For each held-out prompt, the target's plain greedy decode is the reference; the
+strategy's ``speculate`` loop (draft proposes, target verifies in one forward, accept the
+matching prefix plus the target's bonus token) must produce exactly the same tokens. The
+real mean acceptance length ``tau_real`` is tokens generated per target verification
+forward, **bonus token included** — the number serving reports call acceptance length.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .errors import SpecforgeError
+from .protocols import CapturePlan
+
+TAU_REAL_CONVENTION = "tokens per target verification forward, bonus token included"
+TAU_SIM_CONVENTION = "expected accepted draft tokens per round from per-step eval accuracy, bonus token excluded"
+
+
+class LosslessError(SpecforgeError):
+    """Speculative decoding produced different tokens than the target's greedy decode."""
+
+
+@torch.no_grad()
+def greedy_decode(engine: Any, prompt_ids: list[int], plan: CapturePlan, *, max_new_tokens: int,
+                  eos_token_id: int | None) -> list[int]:
+    """The target's own greedy continuation of ``prompt_ids`` (the reference output)."""
+    session = engine.session(torch.tensor(prompt_ids, dtype=torch.long), plan)
+    logits = session.prefill["logits"][-1]
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token == eos_token_id:
+            break
+        logits = session.extend(torch.tensor([token], dtype=torch.long))["logits"][-1]
+    return tokens
+
+
+def prompts_from_jsonl(path: str | Path, tokenizer: Any, *, limit: int) -> list[list[int]]:
+    """Held-out prompts: each conversation up to its last user turn, with the generation prompt."""
+    from .data.prepare import normalize_row
+
+    prompts: list[list[int]] = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                messages = normalize_row(json.loads(line))
+            except Exception:  # noqa: BLE001 - a bad row is simply not a prompt
+                continue
+            if not isinstance(messages, list):
+                continue
+            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+            if last_user is None:
+                continue
+            text = tokenizer.apply_chat_template(messages[: last_user + 1], tokenize=False, add_generation_prompt=True)
+            prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
+
+
+def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable[list[int]], *,
+                       max_new_tokens: int = 64, progress: bool = True) -> dict[str, Any]:
+    """Speculative decoding on every prompt; raises :class:`LosslessError` on any mismatch."""
+    from tqdm import tqdm
+
+    target = engine.info()
+    plan = strategy.capture_plan(target)
+    eos = target.extra.get("eos_token_id")
+    model.eval()
+    prompts = list(prompts)
+    tokens = forwards = 0
+    per_prompt = []
+    for index, prompt in enumerate(tqdm(prompts, desc="speculative decoding", unit="prompt", disable=not progress)):
+        reference = greedy_decode(engine, prompt, plan, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        session = engine.session(torch.tensor(prompt, dtype=torch.long), plan)
+        result = strategy.speculate(model, session, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        if list(result.tokens) != reference:
+            first = next((i for i, (a, b) in enumerate(zip(result.tokens, reference)) if a != b),
+                         min(len(result.tokens), len(reference)))
+            raise LosslessError(f"prompt {index}: speculative output differs from the target's greedy decode at "
+                                f"new token {first} (speculative {list(result.tokens)[first:first + 5]}, target "
+                                f"{reference[first:first + 5]}); the draft's speculate loop is not lossless")
+        tokens += len(result.tokens)
+        forwards += result.target_forwards
+        per_prompt.append({"tokens": len(result.tokens), "target_forwards": result.target_forwards})
+    return {
+        "tau_real": tokens / forwards if forwards else 0.0,
+        "convention": TAU_REAL_CONVENTION,
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "target_forwards": forwards,
+        "identical_to_target_greedy": True,
+        "max_new_tokens": max_new_tokens,
+        "per_prompt": per_prompt,
+    }
