@@ -1,0 +1,99 @@
+"""specforge-plugin-dflash: the ``dflash`` strategy (block-parallel drafting, arXiv 2602.06036).
+
+This is the hook module the ``specforge`` entry point names, so it stays cheap: options and
+the spec live here, the model and the strategy are named lazily and import torch only when
+a run builds them.
+
+Public building blocks for plugins that extend DFlash (Domino, ...), importable from this
+package without loading torch until they are used:
+
+* :class:`~specforge_plugin_dflash.model.DFlashBackbone` and
+  :class:`~specforge_plugin_dflash.model.DFlashConfig` — the draft network;
+* :mod:`specforge_plugin_dflash.blocks` — anchor sampling, block construction, the block
+  attention mask;
+* :mod:`specforge_plugin_dflash.loss` — chunked weighted cross-entropy and block metrics;
+* :mod:`specforge_plugin_dflash.export` — the SGLang checkpoint layout;
+* :mod:`specforge_plugin_dflash.speculate` — the reference speculative decode.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from specforge_core import hookimpl
+from specforge_core.options import non_negative, option, positive
+from specforge_core.specs import StrategySpec
+
+__version__ = "0.1.0"
+
+
+def _at_least_two(value: int) -> str | None:
+    return None if value >= 2 else "must be >= 2 (position 0 holds the anchor; at least one position is drafted)"
+
+
+def _layer_ids(value: list[int] | None) -> str | None:
+    if value is None:
+        return None
+    if not value:
+        return "must name at least one target layer (or be null for the defaults)"
+    if any(i < 0 for i in value):
+        return "must hold layer ids >= 0 (layer id i = the output of decoder layer i)"
+    if len(set(value)) != len(value):
+        return "must not repeat a layer id"
+    return None
+
+
+@attrs.frozen
+class DFlashOptions:
+    """Options of the ``dflash`` strategy (``--set strategy.<name>=<value>``)."""
+
+    num_layers: int | None = option(
+        None, "Draft decoder layers. null = min(5, target layers): the recipes use 5, and a draft deeper "
+              "than a small target is pointless.", check=positive)
+    target_layer_ids: list[int] | None = option(
+        None, "Target layers whose outputs are concatenated into the draft context (layer id i = output of "
+              "decoder layer i). null = evenly spaced: n == 1 -> [L//2], else round(1 + i*(L-4)/(n-1)); on "
+              "targets too small for that formula (ids collide or leave [0, L-1]) the n ids are spread evenly "
+              "over [0, L-1] instead.", check=_layer_ids)
+    num_target_layers: int = option(
+        5, "How many target layers feed the context (n), when target_layer_ids is null; capped at the "
+           "target's depth. (SGLang's config field of the same name is the target's depth; the export writes "
+           "that one.)", check=positive)
+    block_size: int = option(16, "Tokens per drafted block: the anchor plus block_size-1 drafted tokens.",
+                             check=_at_least_two)
+    num_anchors: int = option(
+        8, "Blocks sampled per training sample (uniformly among valid anchors; rows with fewer keep fewer). "
+           "The recipes use 512 on multi-thousand-token samples; 8 suits short chats.", check=positive)
+    loss_decay_gamma: float | None = option(
+        None, "Weight exp(-(k-1)/gamma) on block position k. null = no decay; the recipes use 7.",
+        check=positive)
+    mask_token_id: int | None = option(
+        None, "Token id filling the drafted positions of a block. null = resolved in this order: the "
+              "target's mask token (TargetInfo.extra['mask_token_id']); the first embedding row the "
+              "tokenizer never produces (extra['tokenizer_size'] when it is below the vocab size, what the "
+              "published Qwen3 drafts use); the pad token; the unk token; vocab_size - 1.", check=non_negative)
+    logit_chunk_size: int = option(
+        16, "Blocks per logits chunk in the loss, so the [blocks*block_size, vocab] logits never exist at "
+            "once (each chunk is recomputed in backward).", check=positive)
+    seed: int = option(0, "Seed of anchor sampling; anchors depend on (seed, global step, sample id) only, so "
+                          "a resumed run draws the same anchors.")
+    attention: str = option("sdpa", "Attention kernel (both take the explicit block mask).",
+                            choices=("sdpa", "eager"))
+    dtype: str = option("float32", "Dtype of the trainable draft weights (bfloat16 trains with fp32 master "
+                                   "weights in the optimizer).", choices=("float32", "bfloat16"))
+    init_std: float = option(0.02, "Standard deviation of the initial draft weights.", check=positive)
+
+
+@hookimpl
+def specforge_strategies():
+    return [
+        StrategySpec(
+            name="dflash",
+            factory="specforge_plugin_dflash.strategy:DFlashStrategy",
+            options=DFlashOptions,
+            description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
+            requires={"aux_hidden_states"},
+            best_metric="accept_len",
+            best_mode="max",
+        )
+    ]

@@ -1,0 +1,156 @@
+"""The DFlash training data path: anchors, blocks, labels and weights, the block attention mask.
+
+A sample of length S with ``loss_mask`` gives blocks like this (bs = block size)::
+
+    valid anchors  i with loss_mask[i] = loss_mask[i+1] = 1
+    anchors        up to num_anchors of them, uniformly, sorted        [B, N]  (keep marks real ones)
+    block b        [token at anchor_b, MASK x (bs-1)]                  [B, N, bs]
+    positions      anchor_b + 0..bs-1                                   [B, N, bs]
+    labels         token at anchor_b + k (+ label_shift)                [B, N, bs]
+    weights        keep * [j < S] * [k + shift > 0] * loss_mask[j] * exp(-(k + shift - 1)/gamma),
+                   j = anchor_b + k + shift
+
+Queries are the N*bs block tokens; keys are the S context positions followed by the block
+tokens. Block b sees the context strictly before its anchor and its own block, both ways.
+
+Randomness: each sample draws its anchors from its own generator seeded by
+``(seed, step, sample_id)`` (:func:`anchor_generator`), so the anchors do not depend on
+which other samples share the batch, on the loader's threads, or on global RNG state, and
+a resumed run draws exactly the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class Blocks:
+    """The blocks drawn from a batch (N = the most anchors any row kept; at least 1).
+
+    ``keep [B, N]`` is False on padding blocks of rows that kept fewer anchors (their
+    anchor is 0, their token ids are all MASK, their weights are 0); ``num_valid [B]``
+    counts each sample's valid anchors before the ``num_anchors`` cap (0 = the sample
+    supervises nothing and is reported, not trained on).
+    """
+
+    anchors: torch.Tensor  # [B, N] long
+    keep: torch.Tensor  # [B, N] bool
+    num_valid: torch.Tensor  # [B] long
+    ids: torch.Tensor  # [B, N, bs] long: [anchor token, MASK x (bs-1)]
+    positions: torch.Tensor  # [B, N, bs] long: anchor + k
+    tokens: torch.Tensor  # [B, N, bs] long: the real token at anchor + k (clamped; teacher forcing for heads)
+    labels: torch.Tensor  # [B, N, bs] long: token at anchor + k + label_shift (clamped into the sequence)
+    label_mask: torch.Tensor  # [B, N, bs] bool: the supervised positions (accuracy counts these)
+    weights: torch.Tensor  # [B, N, bs] float32: label_mask times the decay
+
+    @property
+    def block_size(self) -> int:
+        return self.ids.shape[-1]
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: position i is a valid anchor iff ``loss_mask[i] = loss_mask[i+1] = 1``."""
+    mask = loss_mask.bool()
+    valid = torch.zeros_like(mask)
+    valid[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    return valid
+
+
+def anchor_generator(seed: int, step: int, sample_id: str) -> torch.Generator:
+    """A CPU generator seeded by ``(seed, step, sample_id)`` through SHA-256 (stable across processes)."""
+    digest = hashlib.sha256(f"{seed}\x00{step}\x00{sample_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
+                   generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Up to ``num_anchors`` valid anchors per row, uniformly without replacement, sorted.
+
+    ``generators`` holds one generator per row. Returns ``anchors [B, N]`` (0 where not
+    kept), ``keep [B, N]`` bool and ``num_valid [B]``, on ``loss_mask``'s device, with
+    ``N = max(1, most anchors kept by a row)``. Sampling runs on CPU.
+    """
+    if len(generators) != loss_mask.shape[0]:
+        raise ValueError(f"sample_anchors needs one generator per row: {len(generators)} for {loss_mask.shape[0]} rows")
+    valid = valid_anchor_mask(loss_mask.detach().cpu())
+    picked = []
+    for row, generator in zip(valid, generators):
+        candidates = row.nonzero().flatten()
+        choice = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+        picked.append(candidates[choice].sort().values)
+    width = max(1, max(p.numel() for p in picked))
+    anchors = torch.zeros(len(picked), width, dtype=torch.long)
+    keep = torch.zeros(len(picked), width, dtype=torch.bool)
+    for b, row in enumerate(picked):
+        anchors[b, : row.numel()] = row
+        keep[b, : row.numel()] = True
+    device = loss_mask.device
+    return anchors.to(device), keep.to(device), valid.sum(1).to(device)
+
+
+def decay_weights(block_size: int, gamma: float | None, *, label_shift: int = 0,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """``[bs]`` float32: ``exp(-(k + label_shift - 1)/gamma)`` (ones if ``gamma`` is None; k + shift = 0 gets 1)."""
+    distance = (torch.arange(block_size, device=device, dtype=torch.float32) + label_shift - 1).clamp(min=0)
+    return torch.ones_like(distance) if gamma is None else torch.exp(-distance / gamma)
+
+
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                 num_valid: torch.Tensor, *, block_size: int, mask_token_id: int, gamma: float | None = None,
+                 label_shift: int = 0) -> Blocks:
+    """Blocks, labels and weights for ``anchors [B, N]`` over ``input_ids``/``loss_mask [B, S]``.
+
+    ``label_shift`` = 0 is DFlash (position k predicts ``anchor + k``; position 0, the
+    anchor itself, is not supervised); Domino's ``shift_label`` uses 1 (position k predicts
+    ``anchor + k + 1``; position 0 supervised; decay ``exp(-k/gamma)``).
+    """
+    seq_len = input_ids.shape[1]
+    offsets = torch.arange(block_size, device=input_ids.device)
+    positions = anchors[:, :, None] + offsets  # [B, N, bs]
+    ids = torch.full_like(positions, mask_token_id)
+    ids[:, :, 0] = torch.where(keep, torch.gather(input_ids, 1, anchors), mask_token_id)
+    tokens = torch.gather(input_ids, 1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions)
+    target = positions + label_shift  # index of each position's label
+    inside = target < seq_len
+    safe = target.clamp(max=seq_len - 1).flatten(1)  # [B, N*bs]
+    labels = torch.gather(input_ids, 1, safe).view_as(positions)
+    supervised = torch.gather(loss_mask, 1, safe).view_as(positions).bool()
+    label_mask = keep[:, :, None] & inside & (offsets + label_shift > 0) & supervised
+    weights = label_mask.float() * decay_weights(block_size, gamma, label_shift=label_shift, device=input_ids.device)
+    return Blocks(anchors=anchors, keep=keep, num_valid=num_valid, ids=ids, positions=positions, tokens=tokens,
+                  labels=labels, label_mask=label_mask, weights=weights)
+
+
+def draw_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, sample_ids: Sequence[str], *, seed: int, step: int,
+                num_anchors: int, block_size: int, mask_token_id: int, gamma: float | None = None,
+                label_shift: int = 0) -> Blocks:
+    """Sample anchors (one :func:`anchor_generator` per sample) and build their blocks."""
+    generators = [anchor_generator(seed, step, sample_id) for sample_id in sample_ids]
+    anchors, keep, num_valid = sample_anchors(loss_mask, num_anchors, generators)
+    return build_blocks(input_ids, loss_mask, anchors, keep, num_valid, block_size=block_size,
+                        mask_token_id=mask_token_id, gamma=gamma, label_shift=label_shift)
+
+
+def block_attention_mask(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """``[B, N*bs, S + N*bs]`` bool, True = the query may attend the key.
+
+    Keys are the ``S = seq_len`` context positions followed by the ``N*bs`` block tokens.
+    A query of block b sees context positions ``< anchors[:, b]`` that are inside the
+    sample (``< lengths``), and every token of its own block; nothing of other blocks.
+    A padding block (anchor 0) sees only itself, so no query row is empty.
+    """
+    batch, num_blocks = anchors.shape
+    queries = num_blocks * block_size
+    device = anchors.device
+    key_pos = torch.arange(seq_len, device=device)
+    anchor_of_query = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    context = (key_pos < anchor_of_query[:, :, None]) & (key_pos < lengths[:, None, None])  # [B, Q, S]
+    block_of = torch.arange(queries, device=device) // block_size
+    own_block = (block_of[:, None] == block_of[None, :]).expand(batch, queries, queries)  # [B, Q, Q]
+    return torch.cat([context, own_block], dim=-1)
+

@@ -1,0 +1,67 @@
+"""The DFlash loss and metrics.
+
+    L          = Σ w·CE / Σ w                        over every block position (weights from blocks.py)
+    acc        = Σ [argmax = label]·m / Σ m          m = label_mask (not weighted by the decay)
+    accept_len = mean over kept blocks of 1 + (length of the correct prefix among positions 1..bs-1)
+
+The logits of N blocks are ``[B, N, bs, V]``, which for a large vocabulary does not fit, so
+:func:`chunked_cross_entropy` asks a callable for a few blocks' logits at a time; under
+autograd each chunk is checkpointed (recomputed in backward), so only one chunk's logits
+exist at any moment, in forward and in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+#: ``logits_fn(start, end)`` -> float logits ``[B, end-start, bs, V]`` of blocks ``start:end``.
+LogitsFn = Callable[[int, int], torch.Tensor]
+
+
+def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: torch.Tensor,
+                          chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Σ w·CE`` over ``labels``/``weights [B, N, bs]``, and the argmax predictions ``[B, N, bs]``.
+
+    ``logits_fn`` is called on block ranges of ``chunk_blocks`` blocks; the result does not
+    depend on the chunk size (up to float summation order).
+    """
+
+    def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits_fn(start, end)  # [B, c, bs, V]
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        ce = F.cross_entropy(logits.flatten(0, 2), labels[:, start:end].flatten(), reduction="none")
+        return (ce * weights[:, start:end].flatten()).sum(), logits.argmax(-1)
+
+    total = weights.new_zeros(())
+    predictions = []
+    for start in range(0, labels.shape[1], chunk_blocks):
+        end = min(start + chunk_blocks, labels.shape[1])
+        if torch.is_grad_enabled():
+            part, predicted = checkpoint(chunk, start, end, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part, predicted = chunk(start, end)
+        total = total + part
+        predictions.append(predicted)
+    return total, torch.cat(predictions, dim=1)
+
+
+def acceptance_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """``[B, N]``: 1 + the length of the all-correct prefix of positions 1..bs-1 of ``correct [B, N, bs]``."""
+    return 1 + correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
+
+
+def block_metrics(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
+                  keep: torch.Tensor, *, prefix: str = "") -> dict[str, tuple[float, float]]:
+    """Ratio metrics ``{prefix}acc`` and ``{prefix}accept_len`` as (numerator, denominator).
+
+    A position counts as correct only where it is supervised (``label_mask``), so a block's
+    accepted prefix stops at the end of the response; only kept blocks count.
+    """
+    correct = (predictions == labels) & label_mask  # [B, N, bs]
+    accepted = acceptance_lengths(correct)[keep]
+    return {f"{prefix}acc": (float(correct.sum()), float(label_mask.sum())),
+            f"{prefix}accept_len": (float(accepted.sum()), float(accepted.numel()))}

@@ -1,0 +1,207 @@
+"""The DFlash draft network (ALGORITHMS.md, "DFlash"), one class per concept.
+
+    ctx    = hidden_norm(fc(target_hidden))                 [B, S, H]   fc: n*H -> H, no bias
+    x      = embed_tokens(block_ids)                        [B, Q, H]   frozen target embedding
+    for each layer (Qwen3-style, pre-norm):
+        q  = q_norm(q_proj(norm(x)))                        queries from the draft tokens only
+        k  = k_norm([k_proj(ctx) ; k_proj(norm(x))])         the target context is extra K/V
+        v  =        [v_proj(ctx) ; v_proj(norm(x))]          in every layer
+        x  = x + o_proj(attention(q, k, v, mask))           non-causal, masked per block
+        x  = x + down(silu(gate(norm(x))) * up(norm(x)))
+    hidden = norm(x)                                        [B, Q, H]
+    logits = lm_head(hidden)                                frozen target lm_head, vocab V
+
+RoPE puts context keys at their sequence positions and block tokens at ``anchor + k``.
+Parameter names follow Qwen3 / SGLang's ``DFlashDraftModel`` (``layers.{i}.self_attn.q_proj``
+...), so the SGLang export is the state dict minus the two frozen target parts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, the statistic in float32 (as Qwen3 does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for ``positions [B, T]``: cos and sin ``[B, T, 1, head_dim]`` in float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, T, heads, head_dim]`` (rotate-half convention, as Qwen3/Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Masked attention. q ``[B, h, Q, d]``, k/v ``[B, kv, K, d]``, mask ``[B, 1, Q, K]`` (True = attend).
+
+    Every query row must see at least one key (the block mask always lets a block see itself).
+    K/V heads are repeated for GQA up front: SDPA's ``enable_gqa`` would push CUDA off the
+    memory-efficient kernel (the only fused one taking an arbitrary mask) onto the math one.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    if kernel == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, h, Q, K]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+
+
+class DFlashAttention(nn.Module):
+    """GQA attention whose keys/values are the context's followed by the block's own."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(hidden, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * d, hidden, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)  # per head
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kernel: str) -> torch.Tensor:
+        """x ``[B, Q, H]`` (normed block tokens), ctx ``[B, S, H]``, mask ``[B, Q, S+Q]`` -> ``[B, Q, H]``."""
+        batch, queries, _ = x.shape
+        kv_input = torch.cat([ctx, x], dim=1)  # [B, S+Q, H]: [k_proj(ctx) ; k_proj(x)] in one matmul
+        q = self.q_norm(self.q_proj(x).view(batch, queries, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim))
+        v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], kernel)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, queries, -1))
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention over [context ; block], then the MLP."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kernel: str) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, kernel)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashBackbone(nn.Module):
+    """The DFlash draft: context projection, decoder layers, final norm, frozen target embedding and lm_head.
+
+    ``embed_tokens`` and ``lm_head`` are the target's ``[V, H]`` weights, held as frozen
+    parameters (``requires_grad=False``, kept in the target's dtype, never saved in
+    checkpoints or exports). Trainable weights are created in ``dtype``.
+
+    Plugins that extend DFlash (Domino) subclass this and add their heads as attributes, so
+    the DFlash parameter names, and with them the SGLang export keys, stay the same:
+
+    * :meth:`context` — ``target_hidden [B, S, n*H]`` -> ``ctx [B, S, H]``;
+    * :meth:`embed` — token ids -> embeddings in the draft dtype;
+    * :meth:`run_layers` — ``ctx`` and block embeddings -> final (normed) hidden states;
+    * :meth:`forward` — the three above for token ids;
+    * :meth:`logits` — hidden states -> float32 logits through the frozen lm_head.
+    """
+
+    def __init__(self, config: DFlashConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor, *,
+                 attention: str = "sdpa", dtype: torch.dtype = torch.float32, init_std: float = 0.02) -> None:
+        super().__init__()
+        for name, part in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(part.shape) != (config.vocab_size, config.hidden_size):
+                raise ValueError(f"frozen target part {name} has shape {tuple(part.shape)}; the draft expects "
+                                 f"[vocab_size, hidden_size] = [{config.vocab_size}, {config.hidden_size}]")
+        self.config = config
+        self.attention = attention
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_context_features * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=init_std)
+        self.to(dtype)
+        # Attached after the dtype cast: frozen parts keep the target's dtype and storage.
+        self.embed_tokens = nn.Parameter(embed_tokens.detach(), requires_grad=False)  # [V, H]
+        self.lm_head = nn.Parameter(lm_head.detach(), requires_grad=False)  # [V, H]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``ctx = hidden_norm(fc(target_hidden))``: ``[B, S, n*H]`` -> ``[B, S, H]``."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Frozen target embedding of ``token_ids [...]`` -> ``[..., H]`` in the draft dtype."""
+        return F.embedding(token_ids, self.embed_tokens).to(self.dtype)
+
+    def run_layers(self, ctx: torch.Tensor, x: torch.Tensor, block_positions: torch.Tensor,
+                   attention_mask: torch.Tensor, context_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder stack and final norm.
+
+        ctx ``[B, S, H]``; x ``[B, Q, H]`` block-token embeddings; block_positions ``[B, Q]``
+        (``anchor + k``); attention_mask ``[B, Q, S+Q]`` bool (True = attend; see
+        :func:`~specforge_plugin_dflash.blocks.block_attention_mask`); context_positions
+        ``[B, S]`` (default ``0..S-1``). Returns ``[B, Q, H]``.
+        """
+        if context_positions is None:
+            context_positions = torch.arange(ctx.shape[1], device=ctx.device).expand(ctx.shape[0], -1)
+        d, theta = self.config.head_dim, self.config.rope_theta
+        rope_q = rope_cos_sin(block_positions, d, theta)
+        rope_k = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), d, theta)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, attention_mask, self.attention)
+        return self.norm(x)
+
+    def forward(self, target_hidden: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[B, Q, H]`` of ``block_ids [B, Q]`` given ``target_hidden [B, S, n*H]``."""
+        return self.run_layers(self.context(target_hidden), self.embed(block_ids), block_positions, attention_mask)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Frozen target lm_head: ``[..., H]`` -> ``[..., V]``, in float32 (float64 for a float64 head)."""
+        logits = F.linear(hidden.to(self.lm_head.dtype), self.lm_head)
+        return logits if logits.dtype == torch.float64 else logits.float()

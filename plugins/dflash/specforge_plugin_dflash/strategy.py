@@ -1,0 +1,142 @@
+"""The ``dflash`` strategy: capture plan, model, collate, loss, export and speculative decode.
+
+forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
+
+    blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
+    mask    = block_attention_mask(anchors, lengths)              [B, N*bs, S + N*bs]
+    hidden  = model(target_hidden, block ids, positions, mask)    [B, N*bs, H]
+    Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)
+    loss    = Σw·CE / Σw
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
+from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo
+
+from . import DFlashOptions
+from .blocks import Blocks, block_attention_mask, draw_blocks
+from .config import DFlashConfig
+from .export import export_dflash, load_dflash
+from .loss import block_metrics, chunked_cross_entropy
+from .model import DFlashBackbone
+from .speculate import speculative_decode
+
+#: The feature holding the concatenated target layers.
+HIDDEN_FEATURE = "target_hidden"
+#: The ``step`` anchors are seeded with during evaluation: the same anchors at every eval.
+EVAL_STEP = -1
+
+
+def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str]) -> TrainBatch:
+    """Right-pad ``input_ids``, ``loss_mask`` (with 0) and ``target_hidden`` (with zeros) to the longest sample.
+
+    The batch also carries ``lengths [B]``, the unpadded lengths.
+    """
+    lengths = torch.tensor([int(s["input_ids"].shape[0]) for s in samples])
+    longest, width = int(lengths.max()), samples[0][HIDDEN_FEATURE].shape[-1]
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    hidden = torch.zeros(len(samples), longest, width, dtype=samples[0][HIDDEN_FEATURE].dtype)
+    for row, sample in enumerate(samples):
+        n = int(lengths[row])
+        ids[row, :n] = sample["input_ids"]
+        mask[row, :n] = sample["loss_mask"]
+        hidden[row, :n] = sample[HIDDEN_FEATURE]
+    return TrainBatch(tensors={"input_ids": ids, "loss_mask": mask, HIDDEN_FEATURE: hidden, "lengths": lengths},
+                      sample_ids=sample_ids, num_tokens=int(lengths.sum()))
+
+
+class DFlashStrategy:
+    """DFlash (arXiv 2602.06036): a block drafted in one non-causal pass. Built as ``factory(options, context)``."""
+
+    name = "dflash"
+
+    def __init__(self, options: DFlashOptions, context: BuildContext | None = None) -> None:
+        self.options = options
+        self.context = context
+
+    # ------------------------------------------------------------------ plan and model
+    def draft_config(self, target: TargetInfo) -> DFlashConfig:
+        """The draft's dimensions, target layers and mask token for ``target`` under the options."""
+        return DFlashConfig.from_target(target, self.options)
+
+    def capture_plan(self, target: TargetInfo) -> CapturePlan:
+        layer_ids = self.draft_config(target).target_layer_ids
+        return CapturePlan(layer_ids=layer_ids, hidden_feature=HIDDEN_FEATURE, features={
+            "input_ids": FeatureSpec((-1,), "int64"),
+            "loss_mask": FeatureSpec((-1,), "int64"),
+            HIDDEN_FEATURE: FeatureSpec((-1, len(layer_ids) * target.hidden_size), target.dtype),
+        })
+
+    def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DFlashBackbone:
+        return DFlashBackbone(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
+                              attention=self.options.attention, dtype=getattr(torch, self.options.dtype),
+                              init_std=self.options.init_std)
+
+    # ------------------------------------------------------------------ training
+    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str]) -> TrainBatch:
+        return collate_features(samples, sample_ids)
+
+    def draw_blocks(self, model: DFlashBackbone, batch: TrainBatch, ctx: StepContext, *,
+                    label_shift: int = 0) -> Blocks:
+        """The batch's blocks; anchors seeded by (seed, global step — or :data:`EVAL_STEP` in eval —, sample id)."""
+        return draw_blocks(batch["input_ids"], batch["loss_mask"], batch.sample_ids, seed=self.options.seed,
+                           step=ctx.global_step if ctx.training else EVAL_STEP,
+                           num_anchors=self.options.num_anchors, block_size=model.config.block_size,
+                           mask_token_id=model.config.mask_token_id, gamma=self.options.loss_decay_gamma,
+                           label_shift=label_shift)
+
+    def block_hidden(self, model: DFlashBackbone, batch: TrainBatch, blocks: Blocks) -> torch.Tensor:
+        """Final draft hidden states of every block position: ``[B, N, bs, H]``."""
+        batch_size, num_blocks, bs = blocks.ids.shape
+        mask = block_attention_mask(blocks.anchors, batch["lengths"], batch["input_ids"].shape[1], bs)
+        hidden = model(batch[HIDDEN_FEATURE], blocks.ids.flatten(1), blocks.positions.flatten(1), mask)
+        return hidden.view(batch_size, num_blocks, bs, -1)
+
+    def forward_loss(self, model: DFlashBackbone, batch: TrainBatch, ctx: StepContext) -> StepOutput:
+        """``L = Σw·CE / Σw`` over the batch's blocks, with ``loss``, ``acc``, ``accept_len`` and
+        ``no_anchor_samples`` as ratio metrics."""
+        blocks = self.draw_blocks(model, batch, ctx)
+        hidden = self.block_hidden(model, batch, blocks)
+        weighted_ce, predictions = chunked_cross_entropy(lambda start, end: model.logits(hidden[:, start:end]),
+                                                         blocks.labels, blocks.weights, self.options.logit_chunk_size)
+        weight = blocks.weights.sum()
+        loss = weighted_ce / torch.where(weight > 0, weight, torch.ones_like(weight))
+        ratios = {"loss": (float(weighted_ce.detach()), float(weight)),
+                  **block_metrics(predictions, blocks.labels, blocks.label_mask, blocks.keep),
+                  # pooled: the fraction of samples with no valid anchor (numerator: their count)
+                  "no_anchor_samples": (float((blocks.num_valid == 0).sum()), float(blocks.num_valid.numel()))}
+        return StepOutput(loss=loss, ratio_metrics=ratios)
+
+    def derived_metrics(self, pooled: Mapping[str, float]) -> dict[str, float]:
+        """``tau_sim``: accepted draft tokens per block (bonus excluded), i.e. ``accept_len - 1``.
+
+        DFlash measures the accepted prefix of every block directly, so no product of per-step
+        accuracies is needed (the EAGLE3 definition of the same quantity).
+        """
+        return {"tau_sim": pooled["accept_len"] - 1.0} if "accept_len" in pooled else {}
+
+    # ------------------------------------------------------------------ serving
+    def export(self, model: DFlashBackbone, out_dir: str, target: TargetInfo | None = None) -> str:
+        """An SGLang ``DFlashDraftModel`` directory (see :mod:`specforge_plugin_dflash.export`)."""
+        return str(export_dflash(model, out_dir))
+
+    def load_export(self, path: str, target: TargetInfo | None, frozen_parts: Mapping[str, Any]) -> DFlashBackbone:
+        """The draft back from an export, over the target's frozen ``embed_tokens`` and ``lm_head``."""
+        return load_dflash(path, frozen_parts, attention=self.options.attention)
+
+    def speculate(self, model: DFlashBackbone, session: Any, prompt_ids: Any, *, max_new_tokens: int,
+                  eos_token_id: int | Sequence[int] | None = None) -> SpeculationResult:
+        """Greedy block speculative decoding against ``session``; token-identical to the target's greedy decode."""
+        was_training = model.training
+        model.eval()
+        try:
+            return speculative_decode(model, session, prompt_ids, feature=HIDDEN_FEATURE,
+                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        finally:
+            model.train(was_training)

@@ -1,0 +1,115 @@
+"""The SGLang export: exact keys, shapes, dtypes and config; reload gives identical logits."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from specforge_core.protocols import BuildContext, DataStats, TargetInfo
+
+from specforge_plugin_dflash import DFlashOptions
+from specforge_plugin_dflash.blocks import block_attention_mask
+from specforge_plugin_dflash.export import DFlashExportError
+from specforge_plugin_dflash.strategy import DFlashStrategy
+
+HIDDEN, VOCAB, LAYERS = 32, 97, 8
+
+
+def make(dtype="float32", **options):
+    gen = torch.Generator().manual_seed(0)
+    info = TargetInfo(num_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, dtype="bfloat16", model_id="tiny",
+                      extra={"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+                             "head_dim": 8, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 5e5},
+                             "max_position_embeddings": 512, "tokenizer_size": 90})
+    frozen = {"embed_tokens": torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16(),
+              "lm_head": torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16()}
+    strategy = DFlashStrategy(DFlashOptions(num_layers=2, num_target_layers=3, dtype=dtype, **options), BuildContext())
+    return strategy, info, frozen, strategy.build_model(info, frozen, DataStats())
+
+
+def sglang_keys(layers):
+    keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(layers):
+        keys |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        keys |= {f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"}
+        keys |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        keys |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+    return keys
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_holds_exactly_the_sglang_dflash_keys_with_shapes_and_dtypes(tmp_path, dtype):
+    strategy, info, _frozen, model = make(dtype)
+    strategy.export(model, str(tmp_path), info)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(tensors) == sglang_keys(2)  # no embed_tokens, no lm_head
+    shapes = {"fc.weight": (32, 96), "layers.0.self_attn.q_proj.weight": (32, 32),
+              "layers.0.self_attn.k_proj.weight": (16, 32), "layers.0.self_attn.o_proj.weight": (32, 32),
+              "layers.1.self_attn.q_norm.weight": (8,), "layers.1.mlp.gate_proj.weight": (64, 32),
+              "layers.1.mlp.down_proj.weight": (32, 64), "norm.weight": (32,), "hidden_norm.weight": (32,)}
+    for key, shape in shapes.items():
+        assert tuple(tensors[key].shape) == shape, key
+    assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
+
+
+def test_export_config_is_what_sglang_dflash_reads(tmp_path):
+    strategy, info, _frozen, model = make()
+    strategy.export(model, str(tmp_path), info)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["specforge_strategy"] == "dflash"
+    assert config["dflash_config"] == {"block_size": 16, "mask_token_id": 90, "target_layer_ids": [1, 3, 5],
+                                       "num_target_layers": 8}
+    expected = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 8, "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+                "max_position_embeddings": 512, "vocab_size": 97, "block_size": 16, "num_target_layers": 8,
+                "model_type": "qwen3", "hidden_act": "silu", "dtype": "float32"}
+    assert {k: config[k] for k in expected} == expected
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reloaded_export_gives_identical_logits(tmp_path, dtype):
+    strategy, info, frozen, model = make(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)  # not the initial values
+    strategy.export(model, str(tmp_path), info)
+    reloaded = strategy.load_export(str(tmp_path), info, frozen)
+    assert reloaded.config == model.config
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, 12, 96, generator=gen)
+    ids = torch.randint(0, VOCAB, (1, 2 * 16), generator=gen)
+    positions = torch.cat([torch.arange(4, 20), torch.arange(7, 23)])[None]
+    mask = block_attention_mask(torch.tensor([[4, 7]]), torch.tensor([12]), 12, 16)
+    with torch.no_grad():
+        a = model.logits(model(feats, ids, positions, mask))
+        b = reloaded.logits(reloaded(feats, ids, positions, mask))
+    assert torch.equal(a, b)
+    assert reloaded.embed_tokens.data_ptr() == frozen["embed_tokens"].data_ptr()  # shared, not copied
+
+
+def test_load_export_refuses_other_exports_and_mismatched_drafts(tmp_path):
+    strategy, info, frozen, model = make()
+    strategy.export(model, str(tmp_path / "ok"), info)
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    with pytest.raises(DFlashExportError, match="needs config.json and model.safetensors"):
+        strategy.load_export(str(tmp_path / "missing"), info, frozen)
+    config["specforge_strategy"] = "eagle3"
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashExportError, match="holds a eagle3 export"):
+        strategy.load_export(str(tmp_path / "ok"), info, frozen)
+    config["specforge_strategy"] = "dflash"
+    config["num_hidden_layers"] = 3
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashExportError, match=r"missing \['layers.2"):
+        strategy.load_export(str(tmp_path / "ok"), info, frozen)
+
+
+def test_the_hook_module_does_not_import_torch():
+    code = "import sys, specforge_plugin_dflash, specforge_plugin_dflash.config; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

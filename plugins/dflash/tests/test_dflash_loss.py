@@ -1,0 +1,208 @@
+"""The DFlash loss and metrics against independent, explicit per-block computations."""
+
+import math
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specforge_core.contracts import StepContext
+from specforge_core.protocols import BuildContext, DataStats, TargetInfo
+
+from specforge_plugin_dflash import DFlashOptions
+from specforge_plugin_dflash.blocks import build_blocks
+from specforge_plugin_dflash.loss import acceptance_lengths, block_metrics, chunked_cross_entropy
+from specforge_plugin_dflash.strategy import DFlashStrategy
+
+HIDDEN, VOCAB, LAYERS = 16, 50, 4
+
+
+def tiny_target():
+    gen = torch.Generator().manual_seed(0)
+    info = TargetInfo(num_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB,
+                      extra={"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32,
+                             "head_dim": 4, "mask_token_id": VOCAB - 1})
+    frozen = {"embed_tokens": torch.randn(VOCAB, HIDDEN, generator=gen),
+              "lm_head": torch.randn(VOCAB, HIDDEN, generator=gen) / 4}
+    return info, frozen
+
+
+def samples(strategy, info, lengths=(13, 9), seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    width = strategy.capture_plan(info).features["target_hidden"].shape[1]
+    out = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.long)
+        mask[:3] = 0
+        out.append({"input_ids": torch.randint(0, VOCAB - 1, (n,), generator=gen), "loss_mask": mask,
+                    "target_hidden": torch.randn(n, width, generator=gen)})
+    return out
+
+
+def explicit_reference(model, sample, anchors, block_size, gamma):
+    """Each block run alone on its own context, weights by explicit loops: (Σw·CE, Σw, correct, count, accepts)."""
+    ids, mask, feats = sample["input_ids"], sample["loss_mask"], sample["target_hidden"]
+    seq_len = ids.shape[0]
+    sums = [0.0, 0.0, 0, 0, []]
+    for anchor in anchors:
+        block = torch.tensor([[int(ids[anchor])] + [model.config.mask_token_id] * (block_size - 1)])
+        ctx = model.context(feats[None, :anchor])  # only the positions strictly before the anchor
+        positions = torch.arange(anchor, anchor + block_size)[None]
+        hidden = model.run_layers(ctx, model.embed(block), positions,
+                                  torch.ones(1, block_size, anchor + block_size, dtype=torch.bool),
+                                  context_positions=torch.arange(anchor)[None])
+        logits = model.logits(hidden)[0]
+        prefix_alive, accept = True, 1
+        for k in range(1, block_size):
+            j = anchor + k
+            supervised = j < seq_len and int(mask[j]) == 1
+            correct = supervised and int(logits[k].argmax()) == int(ids[j])
+            if supervised:
+                w = 1.0 if gamma is None else math.exp(-(k - 1) / gamma)
+                sums[0] += w * float(F.cross_entropy(logits[k][None], ids[j][None]))
+                sums[1] += w
+                sums[2] += int(correct)
+                sums[3] += 1
+            prefix_alive = prefix_alive and correct
+            accept += int(prefix_alive)
+        sums[4].append(accept)
+    return sums
+
+
+@pytest.mark.parametrize("gamma", [None, 3.0])
+def test_loss_accuracy_and_acceptance_match_an_explicit_per_block_computation(gamma):
+    info, frozen = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=4, num_anchors=3, loss_decay_gamma=gamma, attention="eager",
+                                            logit_chunk_size=2), BuildContext())
+    torch.manual_seed(0)
+    model = strategy.build_model(info, frozen, DataStats()).double()
+    model.embed_tokens.data, model.lm_head.data = frozen["embed_tokens"].double(), frozen["lm_head"].double()
+    data = [{k: (v.double() if v.is_floating_point() else v) for k, v in s.items()} for s in samples(strategy, info)]
+    batch = strategy.collate(data, ["x", "y"])
+    ctx = StepContext(global_step=4, total_steps=10)
+    with torch.no_grad():
+        out = strategy.forward_loss(model, batch, ctx)
+        blocks = strategy.draw_blocks(model, batch, ctx)
+        totals = [0.0, 0.0, 0, 0, []]
+        for row, sample in enumerate(data):
+            anchors = blocks.anchors[row][blocks.keep[row]].tolist()
+            assert anchors, "the fixture gives every sample anchors"
+            ref = explicit_reference(model, sample, anchors, 4, gamma)
+            totals = [a + b for a, b in zip(totals, ref)]
+    # (the decay weights are float32, so the loss agrees to float32 precision)
+    assert float(out.loss) == pytest.approx(totals[0] / totals[1], rel=1e-6)
+    assert out.ratio_metrics["loss"] == pytest.approx((totals[0], totals[1]), rel=1e-6)
+    assert out.ratio_metrics["acc"] == (totals[2], totals[3])
+    assert out.ratio_metrics["accept_len"] == (sum(totals[4]), len(totals[4]))
+    assert out.ratio_metrics["no_anchor_samples"] == (0.0, 2.0)
+
+
+def test_chunked_cross_entropy_equals_the_unchunked_loss_and_gradients():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)  # [B, N, bs, H]
+    head = torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 30, (2, 5, 3), generator=gen)
+    weights = torch.rand(2, 5, 3, generator=gen, dtype=torch.float64)
+    full = hidden @ head.T
+    reference = (F.cross_entropy(full.flatten(0, 2), labels.flatten(), reduction="none") * weights.flatten()).sum()
+    (ref_grad,) = torch.autograd.grad(reference, hidden)
+    for chunk in (1, 2, 5, 100):
+        total, predictions = chunked_cross_entropy(lambda s, e: hidden[:, s:e] @ head.T, labels, weights, chunk)
+        (grad,) = torch.autograd.grad(total, hidden)
+        assert total.item() == pytest.approx(reference.item(), rel=1e-12)
+        assert torch.allclose(grad, ref_grad, rtol=1e-12, atol=1e-14)
+        assert torch.equal(predictions, full.argmax(-1))
+
+
+def test_acceptance_length_is_one_plus_the_correct_prefix_after_the_anchor():
+    correct = torch.tensor([[[False, True, True, False, True],
+                             [True, False, True, True, True],
+                             [False, True, True, True, True]]])
+    assert acceptance_lengths(correct).tolist() == [[3, 1, 5]]
+
+
+def test_accuracy_counts_supervised_positions_unweighted_and_acceptance_stops_at_unsupervised_ones():
+    labels = torch.tensor([[[5, 6, 7, 8], [5, 6, 7, 8]]])
+    predictions = torch.tensor([[[0, 6, 7, 0], [0, 6, 7, 8]]])
+    label_mask = torch.tensor([[[False, True, True, True], [False, True, False, True]]])
+    metrics = block_metrics(predictions, labels, label_mask, torch.tensor([[True, True]]))
+    assert metrics["acc"] == (4.0, 5.0)
+    assert metrics["accept_len"] == (3.0 + 2.0, 2.0)  # block 1: position 2 is unsupervised, so its prefix stops
+
+
+def test_a_sample_without_valid_anchor_is_reported_and_the_batch_still_trains():
+    info, frozen = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=3, num_anchors=2), BuildContext())
+    model = strategy.build_model(info, frozen, DataStats())
+    data = samples(strategy, info, lengths=(10, 6))
+    data[1]["loss_mask"] = torch.tensor([1, 0, 1, 0, 0, 1])  # no two supervised tokens in a row
+    out = strategy.forward_loss(model, strategy.collate(data, ["ok", "empty"]), StepContext())
+    assert out.ratio_metrics["no_anchor_samples"] == (1.0, 2.0)
+    assert torch.isfinite(out.loss) and out.ratio_metrics["loss"][1] > 0
+    out.loss.backward()
+
+    nothing = strategy.forward_loss(model, strategy.collate(data[1:], ["empty"]), StepContext())
+    assert nothing.loss.item() == 0.0 and nothing.loss.requires_grad
+    assert nothing.ratio_metrics["no_anchor_samples"] == (1.0, 1.0)
+    assert nothing.ratio_metrics["accept_len"] == (0.0, 0.0)
+    nothing.loss.backward()
+
+
+def test_eval_anchors_are_the_same_at_every_step_and_training_anchors_change_with_the_step():
+    info, frozen = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=3, num_anchors=2), BuildContext())
+    model = strategy.build_model(info, frozen, DataStats())
+    batch = strategy.collate(samples(strategy, info, lengths=(40,)), ["s"])
+    anchors = {(step, training): strategy.draw_blocks(model, batch, StepContext(global_step=step, training=training))
+               .anchors.tolist() for step in (1, 2) for training in (True, False)}
+    assert anchors[(1, False)] == anchors[(2, False)]
+    assert anchors[(1, True)] != anchors[(2, True)]
+
+
+def test_a_block_sees_nothing_at_or_after_its_anchor_except_the_anchor_token():
+    info, frozen = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=4, num_anchors=4, attention="eager"), BuildContext())
+    model = strategy.build_model(info, frozen, DataStats())
+    data = samples(strategy, info, lengths=(30,))
+    batch = strategy.collate(data, ["s"])
+    with torch.no_grad():
+        blocks = strategy.draw_blocks(model, batch, StepContext())
+        hidden = strategy.block_hidden(model, batch, blocks)
+        for b, anchor in enumerate(blocks.anchors[0].tolist()):
+            future = {k: v.clone() for k, v in batch.tensors.items()}
+            future["target_hidden"][0, anchor:] = torch.randn_like(future["target_hidden"][0, anchor:])
+            future["input_ids"][0, anchor + 1:] = (future["input_ids"][0, anchor + 1:] + 1) % (VOCAB - 1)
+            changed = attrs.evolve(batch, tensors=future)
+            same_anchors = build_blocks(future["input_ids"], future["loss_mask"], blocks.anchors, blocks.keep,
+                                        blocks.num_valid, block_size=4, mask_token_id=VOCAB - 1)
+            assert torch.allclose(strategy.block_hidden(model, changed, same_anchors)[0, b], hidden[0, b], atol=1e-6)
+            # ... while the context before the anchor does matter
+            past = {k: v.clone() for k, v in batch.tensors.items()}
+            past["target_hidden"][0, :anchor] += 1.0
+            if anchor > 0:
+                moved = strategy.block_hidden(model, attrs.evolve(batch, tensors=past), blocks)[0, b]
+                assert not torch.allclose(moved, hidden[0, b], atol=1e-3)
+
+
+def test_the_draft_can_memorise_a_small_batch():
+    info, frozen = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=4, num_anchors=8, num_layers=2), BuildContext())
+    torch.manual_seed(0)
+    model = strategy.build_model(info, frozen, DataStats())
+    batch = strategy.collate(samples(strategy, info, lengths=(24, 20)), ["a", "b"])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(200):
+        strategy.forward_loss(model, batch, StepContext(global_step=step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        metrics = strategy.forward_loss(model, batch, StepContext(training=False)).ratio_metrics
+    assert metrics["acc"][0] / metrics["acc"][1] > 0.95
+    assert metrics["accept_len"][0] / metrics["accept_len"][1] > 3.0  # of at most 4
+
+
+def test_tau_sim_is_the_pooled_acceptance_length_without_the_bonus_token():
+    strategy = DFlashStrategy(DFlashOptions(), BuildContext())
+    assert strategy.derived_metrics({"accept_len": 3.25, "acc": 0.5}) == {"tau_sim": 2.25}
+    assert strategy.derived_metrics({"acc": 0.5}) == {}
