@@ -136,8 +136,10 @@ class DataStats:
 class SpeculationResult:
     """One prompt's speculative decode: the new tokens and how many target forwards they took.
 
-    ``accept_lengths`` holds, per verification forward, the tokens it produced (accepted draft
-    tokens plus the target's bonus token), so ``sum(accept_lengths) == len(tokens)``.
+    ``accept_lengths`` holds, per target forward, the tokens it produced: first the prompt's
+    prefill (1 token), then each verification (accepted draft tokens plus the target's bonus
+    token); so ``sum(accept_lengths) == len(tokens)`` and ``target_forwards ==
+    len(accept_lengths)``.
     """
 
     tokens: list[int]

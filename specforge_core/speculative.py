@@ -4,7 +4,9 @@ For each held-out prompt, the target's plain greedy decode is the reference; the
 strategy's ``speculate`` loop (draft proposes, target verifies in one forward, accept the
 matching prefix plus the target's bonus token) must produce exactly the same tokens. The
 real mean acceptance length ``tau_real`` is tokens generated per target verification
-forward, **bonus token included** — the number serving reports call acceptance length.
+forward, **bonus token included** — the number serving reports call acceptance length. The
+prefill forward (which yields the first token before any draft runs) is not a verification
+and is left out of both counts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 from .errors import SpecforgeError
 from .protocols import CapturePlan
 
-TAU_REAL_CONVENTION = "tokens per target verification forward, bonus token included"
+TAU_REAL_CONVENTION = ("tokens per target verification forward, bonus token included; the prompt's prefill "
+                       "forward and the first token it yields are not counted, as serving engines report it")
 TAU_SIM_CONVENTION = "expected accepted draft tokens per round from per-step eval accuracy, bonus token excluded"
 
 
@@ -89,8 +92,9 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
             raise LosslessError(f"prompt {index}: speculative output differs from the target's greedy decode at "
                                 f"new token {first} (speculative {list(result.tokens)[first:first + 5]}, target "
                                 f"{reference[first:first + 5]}); the draft's speculate loop is not lossless")
-        tokens += len(result.tokens)
-        forwards += result.target_forwards
+        # The strategy counts the prefill as a forward yielding the first token: leave it out.
+        tokens += max(0, len(result.tokens) - 1)
+        forwards += max(0, result.target_forwards - 1)
         per_prompt.append({"tokens": len(result.tokens), "target_forwards": result.target_forwards})
     return {
         "tau_real": tokens / forwards if forwards else 0.0,

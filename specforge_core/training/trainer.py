@@ -184,13 +184,16 @@ class Trainer:
         """One all-reduce for every metric of the window: Σnum / Σden across micro-batches and ranks."""
         pool = window.pool
         # Per-rank totals are pooled as (x, 1): the pooled value is their mean over ranks.
-        pool.add({"loss": (window.loss_sum, window.micro_steps), "_tokens": (window.tokens, 1.0),
+        pool.add({"_loss": (window.loss_sum, window.micro_steps), "_tokens": (window.tokens, 1.0),
                   "_wait_s": (window.wait_s, 1.0), "_elapsed_s": (time.perf_counter() - window.start, 1.0)})
         pool.add({name: (num, den) for name, (num, den) in window.plain.items()})
         if self._names is None:
             local = sorted(pool.sums)
             self._names = sorted({n for names in gather_objects(local, self.info) for n in names})
         values = pool.reduce(self.info, self._names)
+        # The mean of the backpropagated losses, unless the strategy pools its loss exactly.
+        values.setdefault("loss", values["_loss"])
+        values.pop("_loss")
         total_tokens = values.pop("_tokens") * self.info.world_size
         wait, elapsed = values.pop("_wait_s"), max(values.pop("_elapsed_s"), 1e-9)
         record = {"step": self.state.global_step, "epoch": self.state.epoch, "lr": lr, "grad_norm": grad_norm,

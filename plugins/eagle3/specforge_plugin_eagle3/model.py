@@ -1,0 +1,350 @@
+"""The EAGLE3 draft model — read it against ALGORITHMS.md § EAGLE3.
+
+Notation: B batch, S sequence, H target hidden, h draft hidden (= H here), V target vocab,
+Vd draft vocab, nh / nkv attention / key-value heads, d head dim.
+
+    h_0      = fc(aux)                                   aux = [low; mid; high] target layers, 3H
+    h_{k+1}  = layer(embed(ids_k), h_k)                  one Llama decoder layer, attention
+                                                         input [norm(embed) ; norm(hidden)] (2h)
+    logits_k = lm_head(norm(h_{k+1}))                    Vd draft tokens; d2t maps them to V
+
+Module and buffer names are SGLang's ``LlamaForCausalLMEagle3`` names (``fc``,
+``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so ``state_dict()`` *is* the
+export. The frozen target parts (``embed_tokens``, ``target_lm_head``) are non-persistent
+buffers: never trained, never in ``state_dict()`` (so neither in checkpoints nor in the
+export), and — unlike parameters — never sharded by FSDP2, so the teacher can read
+``target_lm_head`` outside ``forward``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@attrs.frozen(kw_only=True)
+class Eagle3Config:
+    """The draft's shape. Written to (and read from) the exported ``config.json``."""
+
+    hidden_size: int  # h
+    target_hidden_size: int  # H: fc takes 3H
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # V, the target's
+    draft_vocab_size: int  # Vd
+    aux_layer_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: str = "float32"  # of the trainable weights
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), "
+                             f"got {self.draft_vocab_size}")
+
+
+def shift_left(x: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]``, zero-filled past the end (dim 1 is the sequence)."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE. The draft needs only to agree with itself between training and
+    serving, and the export writes ``rope_scaling: null``, so the target's scaling is not copied."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [S] -> cos, sin [S, d] (float32)."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq  # [S, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, n, S, d] rotated by the per-position angles (half-split convention, as Llama)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, nkv, T, d] -> [B, nkv * groups, T, d]: query head i uses key-value head i // groups."""
+    if groups == 1:
+        return x
+    b, nkv, t, d = x.shape
+    return x[:, :, None].expand(b, nkv, groups, t, d).reshape(b, nkv * groups, t, d)
+
+
+class DraftKV:
+    """The keys/values the draft attends to.
+
+    ``k0, v0 [B, nkv, T, d]``: the step-0 keys, one per position (causally visible).
+    ``diag``: the keys of unroll steps 1..k, each ``[B, nkv, S, d]``; a query sees only the
+    entry at its own position. In training both start empty every batch; in speculative
+    decoding ``k0`` grows with every accepted token and ``diag`` is emptied after each chain.
+    """
+
+    def __init__(self) -> None:
+        self.k0: torch.Tensor | None = None
+        self.v0: torch.Tensor | None = None
+        self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k0 is None else self.k0.shape[2]
+
+    def add_step0(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k0 = k if self.k0 is None else torch.cat([self.k0, k], dim=2)
+        self.v0 = v if self.v0 is None else torch.cat([self.v0, v], dim=2)
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | None,
+                  diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over step-0 keys (masked by ``mask0``) plus one diagonal key per extra step.
+
+    q [B, nh, S, d]; k0, v0 [B, nkv, T, d]; mask0 [B|1, 1, S, T] bool (True = visible) or
+    None (all visible); diag: (k, v) pairs [B, nkv, S, d] — query t sees entry t only, so
+    its score is a row-wise dot product instead of an S x S block that would be all masked
+    but its diagonal. Equivalent to dense attention over ``[k0; k1; ...; kk]`` with the mask
+    of :func:`ttt_key_mask`. Returns [B, nh, S, d].
+    """
+    groups = q.shape[1] // k0.shape[1]
+    q = q * q.shape[-1] ** -0.5  # scale the queries, not the S x T scores
+    scores = torch.matmul(q, repeat_kv(k0, groups).transpose(2, 3)).float()  # [B, nh, S, T]
+    if mask0 is not None:
+        scores = scores.masked_fill(~mask0, torch.finfo(scores.dtype).min)
+    extra = [(q * repeat_kv(k, groups)).sum(-1, keepdim=True).float() for k, _ in diag]  # [B, nh, S, 1]
+    probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1).to(q.dtype)
+    t = k0.shape[2]
+    out = torch.matmul(probs[..., :t], repeat_kv(v0, groups))
+    for j, (_, v) in enumerate(diag):
+        out = out + probs[..., t + j, None] * repeat_kv(v, groups)
+    return out
+
+
+def ttt_key_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """The dense form of the step-``step`` attention pattern, for reading and testing.
+
+    attention_mask [B, S] (1 = real token) -> [B, S, (step + 1) * S] bool, where key column
+    ``j * S + s`` is the key produced at unroll step j for position s. Query t sees the
+    step-0 keys s <= t of real tokens, and for each step j in 1..step the key at s == t.
+    """
+    b, s = attention_mask.shape
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+    blocks = [causal[None] & attention_mask.bool()[:, None, :]]
+    eye = torch.eye(s, dtype=torch.bool, device=attention_mask.device).expand(b, s, s)
+    blocks.extend([eye] * step)
+    return torch.cat(blocks, dim=-1)
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2h-wide ``[norm(embed) ; norm(hidden)]``."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
+                mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
+        """x [B, S, 2h] -> [B, S, h]. Step 0 appends its keys to ``kv.k0``; later steps to ``kv.diag``."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, S, d]
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, S, d]
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step0:
+            kv.add_step0(k, v)
+        else:
+            kv.diag.append((k, v))
+        out = ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The one decoder layer: attention over [norm(embed) ; norm(hidden)], residual on the hidden."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)  # normalises the token embedding
+        self.hidden_norm = RMSNorm(h, eps)  # normalises the incoming hidden state
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = Eagle3MLP(config)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
+                mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
+        """emb, hidden [B, S, h] -> the next hidden [B, S, h] (before the final norm)."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2h]
+        hidden = hidden + self.self_attn(x, cos, sin, kv, mask0, step0)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE3 draft: frozen target embedding, fc, one decoder layer, final norm, own lm_head.
+
+    ``embed_tokens [V, H]`` and ``target_lm_head [V, H]`` (the teacher; optional when only
+    drafting) are the target's tensors, kept as non-persistent buffers without a copy.
+    ``d2t [Vd]`` (draft id -> target id offset) and ``t2d [V]`` (target id is in the draft
+    vocabulary) are persistent buffers: checkpoints and the export carry them.
+    """
+
+    def __init__(self, config: Eagle3Config, embed_tokens: torch.Tensor,
+                 target_lm_head: torch.Tensor | None = None) -> None:
+        super().__init__()
+        v, big_h = config.vocab_size, config.target_hidden_size
+        if tuple(embed_tokens.shape) != (v, config.hidden_size):
+            raise ValueError(f"embed_tokens has shape {tuple(embed_tokens.shape)}, expected "
+                             f"[vocab_size, hidden_size] = [{v}, {config.hidden_size}]")
+        if target_lm_head is not None and tuple(target_lm_head.shape) != (v, big_h):
+            raise ValueError(f"target lm_head has shape {tuple(target_lm_head.shape)}, expected [{v}, {big_h}]")
+        self.config = config
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("target_lm_head", None if target_lm_head is None else target_lm_head.detach(),
+                             persistent=False)
+        self.fc = nn.Linear(3 * big_h, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(v, dtype=torch.bool) if config.draft_vocab_size == v
+                             else torch.zeros(v, dtype=torch.bool))
+        for module in self.modules():  # Llama's initialisation
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        dtype = getattr(torch, config.dtype)
+        for module in (self.fc, self.midlayer, self.norm, self.lm_head):
+            module.to(dtype)
+
+    # ------------------------------------------------------------------ pieces
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary (see :func:`specforge_plugin_eagle3.vocab.build_vocab_mapping`)."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab mapping shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not fit "
+                             f"the draft (d2t {tuple(self.d2t.shape)}, t2d {tuple(self.t2d.shape)})")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids -> target token ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def draft_to_target_index(self) -> torch.Tensor:
+        """[Vd]: the target id of each draft id (``used`` in ALGORITHMS.md)."""
+        return self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids [...] -> frozen target embeddings [..., h] in the draft's dtype."""
+        return F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden [..., h] (before the final norm) -> draft logits [..., Vd]."""
+        return self.lm_head(self.norm(hidden))
+
+    # ------------------------------------------------------------------ training
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor,
+                ttt_length: int) -> list[torch.Tensor]:
+        """The test-time-training unroll.
+
+        input_ids [B, S]: *aligned* ids (token t+1 at position t); aux_hidden [B, S, 3H];
+        attention_mask [B, S] (1 = real token). Returns ``ttt_length`` logits [B, S, Vd];
+        ``logits[k][:, t]`` predicts token t+2+k (the target's distribution at t+1+k).
+        """
+        s = input_ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+        mask0 = (causal[None] & attention_mask.bool()[:, None, :])[:, None]  # [B, 1, S, S]
+        positions = torch.arange(s, device=input_ids.device)
+        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # h_0 [B, S, h]
+        kv = DraftKV()
+        ids, out = input_ids, []
+        for k in range(ttt_length):
+            cos, sin = self.rotary(positions + k)  # RoPE positions +k at step k
+            hidden = self.midlayer(self.embed(ids), hidden, cos, sin, kv, mask0, step0=k == 0)  # h_{k+1}
+            out.append(self.logits(hidden))
+            ids = shift_left(ids)  # step k+1 at position t consumes token t+2+k; hidden stays in place
+        return out
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def draft(self, kv: DraftKV, aux_hidden: torch.Tensor, next_ids: Any, depth: int) -> list[int]:
+        """Extend the step-0 context by m positions, then propose ``depth`` target tokens.
+
+        aux_hidden [m, 3H]: target features of m newly accepted tokens at positions
+        ``kv.length ..``; next_ids [m]: the token after each of them (the last one is the
+        target's bonus token). The chain starts at the last new position and runs exactly as
+        the training unroll does at that position: step k feeds the previous step's hidden
+        state and token, at RoPE position +k, attending to every step-0 key and the chain's
+        own keys. Returns the proposed tokens as target ids.
+        """
+        device = self.fc.weight.device
+        ids = torch.as_tensor(next_ids, dtype=torch.long, device=device)[None]  # [1, m]
+        m, start = ids.shape[1], kv.length
+        positions = torch.arange(start, start + m, device=device)
+        mask0 = (torch.arange(start + m, device=device)[None, :] <= positions[:, None])[None, None]  # [1,1,m,T+m]
+        cos, sin = self.rotary(positions)
+        hidden = self.fc(aux_hidden.to(device, self.fc.weight.dtype)[None])  # h_0 [1, m, h]
+        hidden = self.midlayer(self.embed(ids), hidden, cos, sin, kv, mask0, step0=True)[:, -1:]  # h_1 [1, 1, h]
+        last = start + m - 1
+        tokens: list[int] = []
+        for k in range(1, depth + 1):
+            token = self.to_target_ids(self.logits(hidden).argmax(-1))  # [1, 1]
+            tokens.append(int(token))
+            if k < depth:
+                cos, sin = self.rotary(torch.tensor([last + k], device=device))
+                hidden = self.midlayer(self.embed(token), hidden, cos, sin, kv, None, step0=False)
+        kv.diag.clear()  # the chain's keys are speculative; the next round starts from step-0 keys
+        return tokens

@@ -1,0 +1,105 @@
+"""Options of the ``eagle3`` strategy and the choice of target layers it fuses.
+
+Pure Python (no torch): the hook module imports it, and ``specforge plugins`` imports the
+hook module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from specforge_core.errors import OptionError
+from specforge_core.options import option, positive
+
+#: EAGLE3 fuses exactly three target layers (low, middle, high); SGLang's draft ``fc``
+#: is ``Linear(3 * target_hidden_size, hidden_size)``.
+NUM_AUX_LAYERS = 3
+
+
+def _check_aux_layer_ids(value: Any) -> str | None:
+    if value is None:
+        return None
+    ids = list(value)
+    if len(ids) != NUM_AUX_LAYERS:
+        return f"must list exactly {NUM_AUX_LAYERS} layer ids (low, middle, high)"
+    if any(i < 0 for i in ids):
+        return "must be non-negative layer ids (layer id i is the output of decoder layer i)"
+    if len(set(ids)) != len(ids):
+        return "must be distinct layer ids"
+    return None
+
+
+def _check_decay(value: float) -> str | None:
+    return None if 0.0 < value <= 1.0 else "must be in (0, 1]"
+
+
+@attrs.frozen
+class Eagle3Options:
+    """Options of the ``eagle3`` strategy (``--set strategy.<name>=<value>``)."""
+
+    ttt_length: int = option(7, "Test-time-training unroll steps K: the draft is trained to predict K tokens "
+                                "ahead, each step feeding its own hidden state to the next.", check=positive)
+    draft_vocab_size: int | None = option(
+        None, "Draft vocabulary size Vd: the Vd most frequent supervised tokens of the training data. "
+              "None = min(target vocab, 32000); equal to the target vocab means no mapping.", check=positive)
+    aux_layer_ids: tuple[int, ...] | None = option(
+        None, "The three target layers fused by fc (layer id i = output of decoder layer i). None = "
+              "[1, L//2-1, L-4] for targets with L >= 8 layers, [0, L//2, L-1] for 3 <= L < 8.",
+        check=_check_aux_layer_ids)
+    loss_decay: float = option(0.8, "Geometric weight of the unroll steps: the loss is sum_k loss_decay^k * ploss_k.",
+                               check=_check_decay)
+    intermediate_size: int | None = option(None, "Width of the draft's SwiGLU MLP. None = the target's.",
+                                           check=positive)
+    spec_depth: int | None = option(None, "Draft tokens proposed per verification round when measuring real "
+                                          "acceptance (speculate). None = ttt_length.", check=positive)
+    dtype: str = option("float32", "dtype of the trainable draft weights (and of the export). The frozen "
+                                   "target embedding and lm_head keep the target's dtype.",
+                        choices=("float32", "bfloat16"))
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The ALGORITHMS.md default ``[1, L//2-1, L-4]``; small targets get ``[0, L//2, L-1]``.
+
+    Below 8 layers the default ids collide (L=6 gives [1, 2, 2]) or leave the range, so
+    small targets take the first, middle and last layer instead, which are distinct for
+    any L >= 3.
+    """
+    if num_layers < NUM_AUX_LAYERS:
+        raise OptionError(
+            f"EAGLE3 fuses {NUM_AUX_LAYERS} distinct target layers, but the target has only {num_layers} "
+            f"decoder layer(s); use a target with at least {NUM_AUX_LAYERS} layers"
+        )
+    if num_layers < 8:
+        return (0, num_layers // 2, num_layers - 1)
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def resolve_aux_layer_ids(options: Eagle3Options, num_layers: int) -> tuple[int, ...]:
+    """The layer ids to capture for a target with ``num_layers`` layers, validated."""
+    if options.aux_layer_ids is None:
+        return default_aux_layer_ids(num_layers)
+    ids = tuple(int(i) for i in options.aux_layer_ids)
+    problem = _check_aux_layer_ids(ids)
+    if problem:
+        raise OptionError(f"option 'strategy.aux_layer_ids' {problem}; got {list(ids)}")
+    out_of_range = [i for i in ids if i >= num_layers]
+    if out_of_range:
+        raise OptionError(
+            f"option 'strategy.aux_layer_ids' {list(ids)} names layer(s) {out_of_range}, but the target has "
+            f"{num_layers} decoder layers (valid ids 0..{num_layers - 1})"
+        )
+    return ids
+
+
+def resolve_draft_vocab_size(options: Eagle3Options, vocab_size: int) -> int:
+    """Vd for a target vocabulary of ``vocab_size``: the option, or min(V, 32000)."""
+    if options.draft_vocab_size is None:
+        return min(vocab_size, 32000)
+    if options.draft_vocab_size > vocab_size:
+        raise OptionError(
+            f"option 'strategy.draft_vocab_size' is {options.draft_vocab_size}, larger than the target "
+            f"vocabulary ({vocab_size}); use at most {vocab_size} (equal means no mapping)"
+        )
+    return int(options.draft_vocab_size)

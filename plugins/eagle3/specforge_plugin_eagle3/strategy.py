@@ -1,0 +1,159 @@
+"""The ``eagle3`` strategy: what to capture, how to build, batch, train, export and decode.
+
+Per sample it stores ``input_ids [S]``, ``loss_mask [S]``, ``aux_hidden [S, 3H]`` (three
+target layers) and ``last_hidden [S, H]`` (the lm_head input; the teacher's logits are
+recomputed from it with the frozen target lm_head instead of being stored).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from specforge_core.contracts import FeatureSpec, StepOutput, TrainBatch
+from specforge_core.errors import SpecforgeError
+from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo, VerifySession
+
+from .export import export_draft, load_draft
+from .loss import align, tau_sim, teacher, ttt_loss
+from .model import Eagle3Config, Eagle3Draft
+from .options import Eagle3Options, resolve_aux_layer_ids, resolve_draft_vocab_size
+from .speculate import speculate
+from .vocab import build_vocab_mapping
+
+AUX_FEATURE = "aux_hidden"
+FEATURES = ("input_ids", "loss_mask", AUX_FEATURE, "last_hidden")
+
+
+class Eagle3BatchError(SpecforgeError):
+    """Stored samples do not match the eagle3 capture plan."""
+
+
+def _extra(target: TargetInfo, key: str, default: Any) -> Any:
+    value = target.extra.get(key)
+    return default if value is None else value
+
+
+class Eagle3Strategy:
+    """EAGLE3 (arXiv 2503.01840), built as ``Eagle3Strategy(options, context)``."""
+
+    def __init__(self, options: Eagle3Options | None = None, context: BuildContext | None = None) -> None:
+        self.options = options or Eagle3Options()
+        self.context = context or BuildContext()
+
+    # ------------------------------------------------------------------ capture & build
+    def capture_plan(self, target: TargetInfo) -> CapturePlan:
+        hidden, dtype = target.hidden_size, target.dtype
+        return CapturePlan(
+            layer_ids=resolve_aux_layer_ids(self.options, target.num_layers),
+            hidden_feature=AUX_FEATURE,
+            last_hidden=True,
+            features={"input_ids": FeatureSpec((-1,), "int64"),
+                      "loss_mask": FeatureSpec((-1,), "int64"),
+                      AUX_FEATURE: FeatureSpec((-1, 3 * hidden), dtype),
+                      "last_hidden": FeatureSpec((-1, hidden), dtype)})
+
+    def draft_config(self, target: TargetInfo) -> Eagle3Config:
+        """The draft's shape for ``target``: h = H, heads and norms from ``target.extra``."""
+        hidden = target.hidden_size
+        heads = int(_extra(target, "num_attention_heads", max(1, hidden // 64)))
+        rope = _extra(target, "rope_parameters", {})
+        return Eagle3Config(
+            hidden_size=hidden,
+            target_hidden_size=hidden,
+            intermediate_size=int(self.options.intermediate_size or _extra(target, "intermediate_size", 4 * hidden)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(_extra(target, "num_key_value_heads", heads)),
+            head_dim=int(_extra(target, "head_dim", hidden // heads)),
+            rms_norm_eps=float(_extra(target, "rms_norm_eps", 1e-6)),
+            rope_theta=float(_extra(target, "rope_theta", rope.get("rope_theta") or 10000.0)),
+            max_position_embeddings=int(_extra(target, "max_position_embeddings", 4096)),
+            vocab_size=target.vocab_size,
+            draft_vocab_size=resolve_draft_vocab_size(self.options, target.vocab_size),
+            aux_layer_ids=resolve_aux_layer_ids(self.options, target.num_layers),
+            dtype=self.options.dtype,
+        )
+
+    def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> Eagle3Draft:
+        """The draft with the target's embedding and teacher lm_head, and the draft vocabulary from ``stats``.
+
+        An empty ``DataStats()`` (no samples: the model is being rebuilt to load a checkpoint,
+        whose ``d2t``/``t2d`` buffers then replace it) gets a placeholder vocabulary of the
+        lowest ids; training data without token counts is an error.
+        """
+        missing = [name for name in ("embed_tokens", "lm_head") if name not in frozen_parts]
+        if missing:
+            raise SpecforgeError(f"eagle3 needs the target's frozen {' and '.join(missing)}; the target engine gave "
+                                 f"only {sorted(frozen_parts)}")
+        config = self.draft_config(target)
+        model = Eagle3Draft(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"])
+        counts = stats.token_counts
+        if counts is None and not stats.num_samples:
+            counts = torch.zeros(config.vocab_size, dtype=torch.long)  # placeholder: the lowest Vd ids
+        model.set_vocab_mapping(*build_vocab_mapping(counts, config.vocab_size, config.draft_vocab_size))
+        return model
+
+    # ------------------------------------------------------------------ training
+    def collate(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str]) -> TrainBatch:
+        """Right-pad to the longest sample; ``attention_mask [B, S]`` marks real tokens."""
+        if not samples:
+            raise Eagle3BatchError("collate got no samples")
+        for index, sample in enumerate(samples):
+            absent = [name for name in FEATURES if name not in sample]
+            if absent:
+                raise Eagle3BatchError(f"sample {sample_ids[index]!r} lacks feature(s) {absent}; it was not captured "
+                                       "with the eagle3 capture plan")
+            lengths = {name: int(sample[name].shape[0]) for name in FEATURES}
+            if len(set(lengths.values())) != 1:
+                raise Eagle3BatchError(f"sample {sample_ids[index]!r} has features of different lengths: {lengths}")
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        b, s = len(samples), max(lengths)
+        first = samples[0]
+        tensors = {
+            "input_ids": torch.zeros(b, s, dtype=torch.long),
+            "loss_mask": torch.zeros(b, s, dtype=torch.long),
+            "attention_mask": torch.zeros(b, s, dtype=torch.long),
+            AUX_FEATURE: torch.zeros(b, s, first[AUX_FEATURE].shape[1], dtype=first[AUX_FEATURE].dtype),
+            "last_hidden": torch.zeros(b, s, first["last_hidden"].shape[1], dtype=first["last_hidden"].dtype),
+        }
+        for row, (sample, n) in enumerate(zip(samples, lengths)):
+            tensors["attention_mask"][row, :n] = 1
+            for name in FEATURES:
+                tensors[name][row, :n] = sample[name]
+        return TrainBatch(tensors=tensors, sample_ids=tuple(sample_ids), num_tokens=sum(lengths))
+
+    def forward_loss(self, model: Eagle3Draft, batch: TrainBatch, ctx: Any) -> StepOutput:
+        """Align, ask the teacher, unroll ``ttt_length`` steps, and score every step (see :mod:`.loss`)."""
+        attention_mask = batch["attention_mask"]
+        ids, loss_mask, last_hidden = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"],
+                                            attention_mask)
+        p_t, target_ids, position_mask = teacher(model, last_hidden, loss_mask)
+        step_logits = model(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length)
+        loss, ratios = ttt_loss(step_logits, p_t, target_ids, position_mask, loss_mask, model.d2t,
+                                self.options.loss_decay)
+        per_batch = {name: num / den if den else float("nan") for name, (num, den) in ratios.items()}
+        return StepOutput(loss=loss, metrics={"tau_sim": tau_sim(per_batch)}, ratio_metrics=ratios)
+
+    tau_sim = staticmethod(tau_sim)
+
+    def derived_metrics(self, pooled: dict[str, float]) -> dict[str, float]:
+        """``tau_sim`` from the pooled ``acc_k`` ratios (a product of ratios is not itself a ratio)."""
+        return {"tau_sim": tau_sim(pooled)}
+
+    # ------------------------------------------------------------------ serving
+    def export(self, model: Eagle3Draft, out_dir: str | os.PathLike[str], target: TargetInfo | None = None) -> Any:
+        """Write an SGLang ``LlamaForCausalLMEagle3`` directory (see :mod:`.export`)."""
+        return export_draft(model, out_dir, target)
+
+    def load_export(self, path: str | os.PathLike[str], target: TargetInfo,
+                    frozen_parts: Mapping[str, Any]) -> Eagle3Draft:
+        return load_draft(path, target, frozen_parts)
+
+    def speculate(self, model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, max_new_tokens: int,
+                  eos_token_id: Any = None) -> SpeculationResult:
+        """Chain-draft ``spec_depth`` tokens per round; output equals the target's greedy decode."""
+        depth = self.options.spec_depth or self.options.ttt_length
+        return speculate(model, session, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                         depth=depth, hidden_feature=AUX_FEATURE)

@@ -1,0 +1,152 @@
+"""Export to SGLang's EAGLE3 layout and back."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from specforge_core.contracts import StepContext
+from specforge_core.protocols import DataStats, TargetInfo
+
+from specforge_plugin_eagle3 import Eagle3Options
+from specforge_plugin_eagle3.export import EXPORT_KEYS, Eagle3ExportError
+from specforge_plugin_eagle3.strategy import Eagle3Strategy
+
+V, H, VD = 50, 32, 20
+
+
+def target(vocab=V, hidden=H):
+    info = TargetInfo(num_layers=6, hidden_size=hidden, vocab_size=vocab, dtype="float32", model_id="random-6l",
+                      extra={"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                             "intermediate_size": 48, "rms_norm_eps": 1e-5,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+                             "max_position_embeddings": 128, "eos_token_id": 1, "bos_token_id": 2,
+                             "pad_token_id": None})
+    gen = torch.Generator().manual_seed(3)
+    return info, {"embed_tokens": torch.randn(vocab, hidden, generator=gen),
+                  "lm_head": torch.randn(vocab, hidden, generator=gen), "norm": torch.ones(hidden)}
+
+
+def build(dtype="float32"):
+    info, frozen = target()
+    strategy = Eagle3Strategy(Eagle3Options(ttt_length=3, draft_vocab_size=VD, dtype=dtype))
+    counts = torch.arange(V).flip(0)  # token 0 most frequent ... used = 0..19
+    counts[45] = 1000  # so the mapping is not the identity prefix
+    model = strategy.build_model(info, frozen, DataStats(token_counts=counts))
+    with torch.no_grad():  # make every weight distinct from its initial value
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return strategy, info, frozen, model
+
+
+def batch(strategy, info):
+    gen = torch.Generator().manual_seed(5)
+    samples = [{"input_ids": torch.randint(0, V, (n,), generator=gen), "loss_mask": torch.ones(n, dtype=torch.long),
+                "aux_hidden": torch.randn(n, 3 * H, generator=gen), "last_hidden": torch.randn(n, H, generator=gen)}
+               for n in (9, 6)]
+    return strategy.collate(samples, ["a", "b"])
+
+
+def test_export_writes_exactly_the_sglang_keys_shapes_and_dtypes(tmp_path):
+    strategy, info, _frozen, model = build()
+    strategy.export(model, tmp_path, info)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        got = {k: (tuple(f.get_tensor(k).shape), f.get_tensor(k).dtype) for k in f.keys()}
+    f32 = torch.float32
+    assert got == {
+        "fc.weight": ((H, 3 * H), f32),
+        "midlayer.input_layernorm.weight": ((H,), f32),
+        "midlayer.hidden_norm.weight": ((H,), f32),
+        "midlayer.self_attn.q_proj.weight": ((4 * 8, 2 * H), f32),
+        "midlayer.self_attn.k_proj.weight": ((2 * 8, 2 * H), f32),
+        "midlayer.self_attn.v_proj.weight": ((2 * 8, 2 * H), f32),
+        "midlayer.self_attn.o_proj.weight": ((H, 4 * 8), f32),
+        "midlayer.post_attention_layernorm.weight": ((H,), f32),
+        "midlayer.mlp.gate_proj.weight": ((48, H), f32),
+        "midlayer.mlp.up_proj.weight": ((48, H), f32),
+        "midlayer.mlp.down_proj.weight": ((H, 48), f32),
+        "norm.weight": ((H,), f32),
+        "lm_head.weight": ((VD, H), f32),
+        "d2t": ((VD,), torch.int64),
+        "t2d": ((V,), torch.bool),
+    }
+    assert set(got) == set(EXPORT_KEYS)  # no embedding, no teacher head
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    used = (torch.arange(VD) + d2t).tolist()
+    assert used == list(range(19)) + [45] and t2d.nonzero().flatten().tolist() == used
+
+
+def test_export_config_is_a_llama_eagle3_config_sglang_reads(tmp_path):
+    strategy, info, _frozen, model = build()
+    strategy.export(model, tmp_path, info)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    expected = {"model_type": "llama", "hidden_size": H, "target_hidden_size": H, "intermediate_size": 48,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 1,
+                "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None,
+                "max_position_embeddings": 128, "vocab_size": V, "draft_vocab_size": VD,
+                "tie_word_embeddings": False, "torch_dtype": "float32", "dtype": "float32",
+                "specforge_strategy": "eagle3", "eos_token_id": 1, "bos_token_id": 2}
+    assert {k: config[k] for k in expected} == expected
+    assert "pad_token_id" not in config  # None in the target: left out rather than written as null
+    # SGLang adds 1 to these to index its layer inputs: they are output-of-layer ids, as captured
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]
+
+
+def test_export_config_parses_as_a_transformers_llama_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    strategy, info, _frozen, model = build()
+    strategy.export(model, tmp_path, info)
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert isinstance(config, transformers.LlamaConfig)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (H, 1, 2, 8)
+    assert config.draft_vocab_size == VD and config.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reloaded_export_has_identical_weights_and_logits(tmp_path, dtype):
+    strategy, info, frozen, model = build(dtype)
+    strategy.export(model, tmp_path, info)
+    reloaded = strategy.load_export(tmp_path, info, frozen)
+    a, b = model.state_dict(), reloaded.state_dict()
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert reloaded.config == model.config
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == dtype
+    data = batch(strategy, info)
+    with torch.no_grad():
+        la = model(data["input_ids"], data["aux_hidden"], data["attention_mask"], 3)
+        lb = reloaded(data["input_ids"], data["aux_hidden"], data["attention_mask"], 3)
+        assert all(torch.equal(x, y) for x, y in zip(la, lb))
+        assert torch.equal(strategy.forward_loss(model, data, StepContext()).loss,
+                           strategy.forward_loss(reloaded, data, StepContext()).loss)
+
+
+def test_loading_against_another_target_is_refused(tmp_path):
+    strategy, info, _frozen, model = build()
+    strategy.export(model, tmp_path, info)
+    other, other_frozen = target(vocab=V + 1)
+    with pytest.raises(Eagle3ExportError, match=f"vocabulary {V} and hidden size {H}.*has {V + 1} and {H}"):
+        strategy.load_export(tmp_path, other, other_frozen)
+
+
+def test_loading_a_directory_without_an_export_says_what_is_missing(tmp_path):
+    strategy, info, frozen, _model = build()
+    with pytest.raises(Eagle3ExportError, match="has no config.json"):
+        strategy.load_export(tmp_path, info, frozen)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(Eagle3ExportError, match="not \\['LlamaForCausalLMEagle3'\\]"):
+        strategy.load_export(tmp_path, info, frozen)
+    (tmp_path / "config.json").write_text(json.dumps(_config_of(strategy, info)))
+    with pytest.raises(Eagle3ExportError, match="not a readable safetensors file"):
+        strategy.load_export(tmp_path, info, frozen)
+
+
+def _config_of(strategy, info):
+    from specforge_plugin_eagle3.export import hf_config
+
+    return hf_config(strategy.draft_config(info), info)

@@ -1,0 +1,383 @@
+"""The EAGLE3 math pinned on small hand-checked cases: mask, shifts, vocabulary, loss, tau_sim."""
+
+import math
+
+import pytest
+import torch
+
+from specforge_core.contracts import StepContext
+from specforge_core.protocols import DataStats, TargetInfo
+from specforge_core.training.checkpoint import model_state
+from specforge_core.training.distributed import DistInfo
+
+from specforge_plugin_eagle3 import Eagle3Options
+from specforge_plugin_eagle3.export import EXPORT_KEYS
+from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
+from specforge_plugin_eagle3.model import apply_rope, repeat_kv, shift_left, ttt_attention, ttt_key_mask
+from specforge_plugin_eagle3.strategy import Eagle3Strategy
+from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
+
+V, H = 11, 16
+
+
+def tiny_target(vocab=V, hidden=H, layers=4):
+    info = TargetInfo(num_layers=layers, hidden_size=hidden, vocab_size=vocab, extra={
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 64})
+    gen = torch.Generator().manual_seed(0)
+    frozen = {"embed_tokens": torch.randn(vocab, hidden, generator=gen),
+              "lm_head": torch.randn(vocab, hidden, generator=gen), "norm": torch.ones(hidden)}
+    return info, frozen
+
+
+def tiny_batch(strategy, info, lengths=(5, 3), seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.long)
+        mask[0] = 0
+        samples.append({"input_ids": torch.randint(0, info.vocab_size, (n,), generator=gen),
+                        "loss_mask": mask,
+                        "aux_hidden": torch.randn(n, 3 * info.hidden_size, generator=gen),
+                        "last_hidden": torch.randn(n, info.hidden_size, generator=gen)})
+    return samples, strategy.collate(samples, [f"s{i}" for i in range(len(samples))])
+
+
+def counts_for(vocab, hot):
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for token, count in hot.items():
+        counts[token] = count
+    return DataStats(token_counts=counts)
+
+
+def tiny_draft(stats=None, **options):
+    """(target info, frozen parts, strategy, draft) on the tiny random target."""
+    info, frozen = tiny_target()
+    strategy = Eagle3Strategy(Eagle3Options(**options))
+    return info, frozen, strategy, strategy.build_model(info, frozen, stats or DataStats())
+
+
+# ---------------------------------------------------------------- attention pattern
+def test_ttt_attention_mask_on_a_padded_row_at_step_two():
+    # S = 4, the row holds 3 real tokens and 1 pad; step 2 of a K = 3 unroll sees the step-0
+    # block (causal, pad key hidden) and one diagonal key for each of steps 1 and 2.
+    mask = ttt_key_mask(torch.tensor([[1, 1, 1, 0]]), step=2)[0]
+    expected = torch.tensor([
+        # step-0 keys   step-1 keys   step-2 keys
+        [1, 0, 0, 0,    1, 0, 0, 0,   1, 0, 0, 0],
+        [1, 1, 0, 0,    0, 1, 0, 0,   0, 1, 0, 0],
+        [1, 1, 1, 0,    0, 0, 1, 0,   0, 0, 1, 0],
+        [1, 1, 1, 0,    0, 0, 0, 1,   0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_ttt_key_mask_at_step_zero_is_causal_within_the_valid_length():
+    mask = ttt_key_mask(torch.tensor([[1, 1, 0]]), step=0)[0]
+    assert torch.equal(mask, torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.bool))
+
+
+def dense_attention(q, keys, values, mask):
+    """Plain softmax attention over concatenated keys with a dense boolean mask [B, S, T]."""
+    groups = q.shape[1] // keys.shape[1]
+    scores = q @ repeat_kv(keys, groups).transpose(2, 3) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.softmax(scores, -1) @ repeat_kv(values, groups)
+
+
+def test_compact_attention_equals_dense_attention_under_the_pinned_mask():
+    gen = torch.Generator().manual_seed(0)
+    b, nh, nkv, s, d, steps = 2, 4, 2, 6, 8, 3
+    attention_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    q = torch.randn(b, nh, s, d, generator=gen, dtype=torch.float64)
+    keys = [torch.randn(b, nkv, s, d, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    values = [torch.randn(b, nkv, s, d, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    mask0 = ttt_key_mask(attention_mask, 0)[:, None]
+    compact = ttt_attention(q, keys[0], values[0], mask0, list(zip(keys[1:], values[1:])))
+    dense = dense_attention(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_key_mask(attention_mask, steps - 1))
+    assert torch.allclose(compact, dense, atol=1e-12)
+
+
+def reference_unroll(model, ids, aux, attention_mask, steps):
+    """The unroll written densely: every step's keys kept, attention masked with ttt_key_mask."""
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    b, s = ids.shape
+    hidden, keys, values, out = model.fc(aux), [], [], []
+    for k in range(steps):
+        x = torch.cat([layer.input_layernorm(model.embed(ids)), layer.hidden_norm(hidden)], -1)
+        cos, sin = model.rotary(torch.arange(s) + k)
+        q = apply_rope(attn.q_proj(x).view(b, s, attn.num_heads, -1).transpose(1, 2), cos, sin)
+        keys.append(apply_rope(attn.k_proj(x).view(b, s, attn.num_kv_heads, -1).transpose(1, 2), cos, sin))
+        values.append(attn.v_proj(x).view(b, s, attn.num_kv_heads, -1).transpose(1, 2))
+        o = dense_attention(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_key_mask(attention_mask, k))
+        hidden = hidden + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        out.append(model.lm_head(model.norm(hidden)))
+        ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
+    return out
+
+
+def test_the_unrolled_forward_equals_a_dense_reference_with_rope_offsets_and_shifted_ids():
+    info, frozen, strategy, model = tiny_draft(ttt_length=4)
+    _samples, batch = tiny_batch(strategy, info, lengths=(6, 4))
+    with torch.no_grad():
+        got = model(batch["input_ids"], batch["aux_hidden"], batch["attention_mask"], 4)
+        want = reference_unroll(model, batch["input_ids"], batch["aux_hidden"], batch["attention_mask"], 4)
+    real = batch["attention_mask"].bool()
+    for g, w in zip(got, want):
+        assert torch.allclose(g[real], w[real], atol=1e-5)
+
+
+def test_padding_does_not_change_the_logits_of_real_positions():
+    info, frozen, strategy, model = tiny_draft(ttt_length=3)
+    samples, batch = tiny_batch(strategy, info, lengths=(7, 3))
+    alone = strategy.collate(samples[1:], ["s1"])
+    with torch.no_grad():
+        padded = model(batch["input_ids"], batch["aux_hidden"], batch["attention_mask"], 3)
+        single = model(alone["input_ids"], alone["aux_hidden"], alone["attention_mask"], 3)
+    for p, a in zip(padded, single):
+        assert torch.allclose(p[1, :3], a[0], atol=1e-5)
+
+
+# ---------------------------------------------------------------- alignment
+def test_alignment_shifts_ids_and_last_hidden_and_drops_each_samples_last_position():
+    ids = torch.tensor([[5, 6, 7, 8], [3, 4, 0, 0]])
+    loss_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    attention_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    last = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0]])[..., None]  # collate zero-pads
+    a_ids, a_mask, a_last = align(ids, loss_mask, last, attention_mask)
+    assert a_ids.tolist() == [[6, 7, 8, 0], [4, 0, 0, 0]]
+    assert a_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert a_last[..., 0].tolist() == [[2.0, 3.0, 4.0, 0.0], [6.0, 0.0, 0.0, 0.0]]
+
+
+def test_shift_left_zero_fills_and_handles_shifts_past_the_end():
+    x = torch.tensor([[1, 2, 3]])
+    assert shift_left(x, 2).tolist() == [[3, 0, 0]]
+    assert shift_left(x, 3).tolist() == [[0, 0, 0]]
+
+
+# ---------------------------------------------------------------- vocabulary mapping
+def test_vocab_mapping_takes_the_most_frequent_tokens_sorted_ascending():
+    counts = torch.tensor([0, 5, 3, 5, 0, 1, 0, 0])
+    d2t, t2d = build_vocab_mapping(counts, 8, 4)
+    # used = [1, 2, 3, 5]; d2t[i] = used[i] - i
+    assert d2t.tolist() == [1, 1, 1, 2]
+    assert t2d.tolist() == [False, True, True, True, False, True, False, False]
+
+
+def test_vocab_mapping_breaks_ties_by_lower_id():
+    d2t, t2d = build_vocab_mapping(torch.tensor([0, 2, 2, 2, 0, 7]), 6, 3)
+    assert (torch.arange(3) + d2t).tolist() == [1, 2, 5]  # 5 (7 times), then 1 and 2 of the tied 1, 2, 3
+    assert t2d.tolist() == [False, True, True, False, False, True]
+
+
+def test_vocab_mapping_pads_with_the_lowest_unused_ids():
+    d2t, t2d = build_vocab_mapping(torch.tensor([0, 0, 0, 0, 0, 0, 4, 0]), 8, 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 6]
+    assert d2t.tolist() == [0, 0, 4]
+    assert t2d.nonzero().flatten().tolist() == [0, 1, 6]
+
+
+def test_full_draft_vocabulary_is_the_identity_mapping_without_counts():
+    d2t, t2d = build_vocab_mapping(None, 5, 5)
+    assert d2t.tolist() == [0] * 5 and t2d.all()
+
+
+def test_a_reduced_vocabulary_without_token_counts_is_refused_with_the_fix():
+    with pytest.raises(VocabMappingError, match="DataStats.token_counts.*draft_vocab_size=9"):
+        build_vocab_mapping(None, 9, 4)
+    with pytest.raises(VocabMappingError, match="10 entries, but the target vocabulary has 9"):
+        build_vocab_mapping(torch.ones(10), 9, 4)
+
+
+def test_training_data_without_token_counts_is_refused_but_a_rebuild_for_a_checkpoint_is_not():
+    info, frozen = tiny_target()
+    strategy = Eagle3Strategy(Eagle3Options(draft_vocab_size=3))
+    with pytest.raises(VocabMappingError, match="DataStats.token_counts"):
+        strategy.build_model(info, frozen, DataStats(num_samples=10))
+    rebuilt = strategy.build_model(info, frozen, DataStats())  # export/eval: the checkpoint brings d2t/t2d
+    assert rebuilt.draft_to_target_index().tolist() == [0, 1, 2]
+
+
+def test_build_model_installs_the_mapping_from_data_stats():
+    info, frozen, strategy, model = tiny_draft(counts_for(V, {9: 4, 2: 1, 7: 4}), draft_vocab_size=3)
+    assert model.draft_to_target_index().tolist() == [2, 7, 9]
+    assert model.to_target_ids(torch.tensor([0, 1, 2])).tolist() == [2, 7, 9]
+
+
+# ---------------------------------------------------------------- loss and metrics
+def test_ttt_loss_matches_a_hand_computation():
+    # B = 1, S = 3, Vd = 2 (target ids 0 and 2 of V = 3), K = 2 steps, decay 0.5.
+    d2t = torch.tensor([0, 1])
+    p_t = torch.tensor([[[0.75, 0.25], [0.5, 0.5], [0.1, 0.9]]])
+    target_ids = torch.tensor([[0, 1, 2]])  # position 1's target argmax (id 1) is not in the draft vocab
+    loss_mask = torch.tensor([[1, 1, 1]])
+    position_mask = torch.tensor([[True, False, True]])
+    logits = [torch.tensor([[[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]]]),
+              torch.tensor([[[0.5, 0.5], [2.0, 0.0], [0.0, 0.0]]])]
+    loss, ratios = ttt_loss(logits, p_t, target_ids, position_mask, loss_mask, d2t, decay=0.5)
+
+    def ce(p, z):
+        log_norm = math.log(sum(math.exp(v) for v in z))
+        return -sum(pi * (zi - log_norm) for pi, zi in zip(p, z))
+
+    s0, s1 = 0.0, 0.0
+    for t in range(3):  # step 0: position t against the teacher at t
+        if position_mask[0, t]:
+            s0 += ce(p_t[0, t].tolist(), logits[0][0, t].tolist())
+    for t in range(2):  # step 1: position t against the teacher at t + 1
+        if position_mask[0, t + 1]:
+            s1 += ce(p_t[0, t + 1].tolist(), logits[1][0, t].tolist())
+    n0 = 2
+    assert loss.item() == pytest.approx((s0 + 0.5 * s1) / n0, rel=1e-6)
+    assert ratios["loss"] == pytest.approx((s0 + 0.5 * s1, 2))
+    assert ratios["ploss_0"] == pytest.approx((s0, 2)) and ratios["ploss_1"] == pytest.approx((s1, 1))
+    # step 0 argmax (draft ids 0, 1, 0) -> target ids (0, 2, 0) vs (0, 1, 2): 1 of 3 correct
+    assert ratios["acc_0"] == (1.0, 3.0)
+    # step 1 argmax (0, 0) -> (0, 0) vs targets at t + 1 (1, 2): 0 of 2
+    assert ratios["acc_1"] == (0.0, 2.0)
+
+
+def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens():
+    info, frozen = tiny_target()
+    options = Eagle3Options(ttt_length=3, draft_vocab_size=6, loss_decay=0.8)
+    strategy = Eagle3Strategy(options)
+    samples, batch = tiny_batch(strategy, info, lengths=(6, 4))
+    counts = torch.zeros(V, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s["input_ids"], minlength=V)
+    model = strategy.build_model(info, frozen, DataStats(token_counts=counts))
+    with torch.no_grad():
+        out = strategy.forward_loss(model, batch, StepContext())
+        ids, _, _ = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"], batch["attention_mask"])
+        step_logits = model(ids, batch["aux_hidden"], batch["attention_mask"], 3)
+    used = model.draft_to_target_index().tolist()
+    total, supervised = 0.0, 0
+    correct, seen = [0] * 3, [0] * 3
+    for b, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        head = frozen["lm_head"]
+        for t in range(n - 1):  # the last real position has no next token
+            for k in range(3):
+                u = t + k  # step k at t is supervised by the target at position u + 1
+                if u + 1 >= n or not sample["loss_mask"][u]:
+                    continue
+                z_t = (head @ sample["last_hidden"][u + 1]).tolist()
+                target_argmax = max(range(V), key=lambda j: z_t[j])
+                pred = used[int(step_logits[k][b, t].argmax())]
+                correct[k] += pred == target_argmax
+                seen[k] += 1
+                if target_argmax not in used:
+                    continue
+                z_r = [z_t[j] for j in used]
+                norm = math.log(sum(math.exp(v) for v in z_r))
+                p = [math.exp(v - norm) for v in z_r]
+                logit = step_logits[k][b, t].tolist()
+                log_q = [v - math.log(sum(math.exp(w) for w in logit)) for v in logit]
+                total += 0.8 ** k * -sum(pi * qi for pi, qi in zip(p, log_q))
+                supervised += k == 0
+    assert out.loss.item() == pytest.approx(total / supervised, rel=1e-5)
+    for k in range(3):
+        assert out.ratio_metrics[f"acc_{k}"] == (correct[k], seen[k])
+
+
+def test_tau_sim_is_the_sum_of_running_products_of_pooled_step_accuracies():
+    assert tau_sim({"acc_0": 0.5, "acc_1": 0.5, "acc_2": 0.2}) == pytest.approx(0.5 + 0.25 + 0.05)
+    assert tau_sim({"acc_0": 1.0, "acc_1": 1.0}) == 2.0
+    assert tau_sim({"acc_0": 0.5, "acc_1": float("nan"), "acc_2": 1.0}) == 0.5  # nothing supervised that deep
+    assert math.isnan(tau_sim({"loss": 1.0}))
+
+
+def test_derived_tau_sim_pools_exactly_while_per_batch_tau_sim_does_not():
+    info, frozen, strategy, model = tiny_draft(ttt_length=3)
+    samples, _ = tiny_batch(strategy, info, lengths=(8, 5, 6))
+    sums = {}
+    with torch.no_grad():
+        for i, sample in enumerate(samples):
+            for name, (num, den) in strategy.forward_loss(model, strategy.collate([sample], [str(i)]),
+                                                          StepContext()).ratio_metrics.items():
+                acc = sums.setdefault(name, [0.0, 0.0])
+                acc[0] += num
+                acc[1] += den
+        whole = strategy.forward_loss(model, strategy.collate(samples, ["0", "1", "2"]), StepContext())
+    pooled = {name: num / den for name, (num, den) in sums.items()}
+    acc = [pooled[f"acc_{k}"] for k in range(3)]
+    expected = acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
+    assert strategy.derived_metrics(pooled) == {"tau_sim": pytest.approx(expected)}
+    assert Eagle3Strategy.tau_sim(pooled) == pytest.approx(expected)
+    assert whole.metrics["tau_sim"] == pytest.approx(expected)  # one batch holding everything: the same
+
+
+# ---------------------------------------------------------------- frozen parts
+def test_frozen_target_parts_are_shared_untrained_and_left_out_of_checkpoints():
+    info, frozen, strategy, model = tiny_draft(counts_for(V, {1: 3, 4: 2}), ttt_length=2, draft_vocab_size=6)
+    assert model.embed_tokens.data_ptr() == frozen["embed_tokens"].data_ptr()  # no copy of the target's
+    assert model.target_lm_head.data_ptr() == frozen["lm_head"].data_ptr()
+    assert all(p.requires_grad for p in model.parameters())
+    param_ptrs = {p.data_ptr() for p in model.parameters()}
+    assert frozen["embed_tokens"].data_ptr() not in param_ptrs and frozen["lm_head"].data_ptr() not in param_ptrs
+    saved = model_state(model, DistInfo())  # exactly what the trainer writes into a checkpoint
+    assert set(saved) == set(EXPORT_KEYS)
+    before = {k: v.clone() for k, v in frozen.items()}
+    _samples, batch = tiny_batch(strategy, info)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    strategy.forward_loss(model, batch, StepContext()).loss.backward()
+    optimizer.step()
+    assert all(torch.equal(before[k], frozen[k]) for k in frozen)
+    assert model.embed_tokens.grad is None and model.target_lm_head.grad is None
+
+
+def test_a_few_optimizer_steps_lower_the_loss_on_a_fixed_batch():
+    info, frozen, strategy, model = tiny_draft(ttt_length=3)
+    _samples, batch = tiny_batch(strategy, info, lengths=(9, 7))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        out = strategy.forward_loss(model, batch, StepContext())
+        losses.append(out.loss.item())
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_bfloat16_drafts_train_with_float32_features():
+    info, frozen, strategy, model = tiny_draft(ttt_length=2, dtype="bfloat16")
+    assert model.fc.weight.dtype == torch.bfloat16 and model.embed_tokens.dtype == torch.float32
+    _samples, batch = tiny_batch(strategy, info)
+    out = strategy.forward_loss(model, batch, StepContext())
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and model.lm_head.weight.grad.dtype == torch.bfloat16
+
+
+def test_collate_refuses_samples_that_miss_a_feature_or_disagree_on_length():
+    from specforge_plugin_eagle3.strategy import Eagle3BatchError
+
+    info, _ = tiny_target()
+    strategy = Eagle3Strategy()
+    samples, _ = tiny_batch(strategy, info)
+    broken = dict(samples[0])
+    del broken["last_hidden"]
+    with pytest.raises(Eagle3BatchError, match="'x' lacks feature\\(s\\) \\['last_hidden'\\]"):
+        strategy.collate([broken], ["x"])
+    short = dict(samples[0], aux_hidden=samples[0]["aux_hidden"][:-1])
+    with pytest.raises(Eagle3BatchError, match="different lengths"):
+        strategy.collate([short], ["x"])
+
+
+def test_the_hand_written_soft_cross_entropy_gradient_matches_autograd():
+    from specforge_plugin_eagle3.loss import ShiftedSoftCrossEntropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(2, 5, 7, generator=gen, dtype=torch.float64), -1)
+    weight = torch.tensor([[1.0, 0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    for shift in (0, 2, 5):
+        got = ShiftedSoftCrossEntropy.apply(logits, p, weight, shift)
+        (grad,) = torch.autograd.grad(got, logits)
+        n = 5 - shift
+        want = -(p[:, shift:] * torch.log_softmax(logits[:, :n], -1)).sum(-1).mul(weight[:, shift:]).sum()
+        (want_grad,) = torch.autograd.grad(want, logits)
+        assert torch.allclose(got, want) and torch.allclose(grad, want_grad)
+    assert torch.autograd.gradcheck(lambda z: ShiftedSoftCrossEntropy.apply(z, p, weight, 1), (logits,))
