@@ -116,7 +116,8 @@ def check_same_everywhere(name: str, value: Any, info: DistInfo) -> None:
 def shard_model(model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Wrap with FSDP2 (``fully_shard``) across all ranks; a single process is left as it is.
 
-    Each direct child holding trainable parameters becomes its own FSDP unit, then the
+    Each direct child holding trainable parameters becomes its own FSDP unit (each element
+    of a ``ModuleList`` / ``ModuleDict``: containers have no forward to hook), then the
     root, so parameters are gathered layer by layer.
     """
     if not info.distributed:
@@ -125,9 +126,16 @@ def shard_model(model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dt
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, mp_policy=policy)
+    def units(module: torch.nn.Module):
+        for child in module.children():
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                yield from child.children()
+            else:
+                yield child
+
+    for unit in units(model):
+        if any(p.requires_grad for p in unit.parameters()):
+            fully_shard(unit, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
 

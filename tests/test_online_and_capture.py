@@ -1,0 +1,130 @@
+"""Capture and both topologies against a real (tiny toy) target, through the public CLI.
+
+The ``example`` strategy (examples/specforge-plugin-example) and the ``linear`` test plugin
+(for its crash hook) are installed into a fake site; the target is the tiny toy target
+built by the hf plugin.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sf_helpers import SPECFORGE
+from specforge_core.testing import FakeSite
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "specforge-plugin-example" / "src" / "specforge_plugin_example"
+LINEAR = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from specforge_plugin_hf.toy import build_toy_target
+
+    return build_toy_target(tmp_path_factory.mktemp("toy") / "tiny", "tiny", progress=False)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    site = FakeSite(tmp_path_factory.mktemp("example-site"))
+    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
+             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
+                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
+    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin_online"},
+             modules={"sf_linear_plugin_online": LINEAR})
+    yield site
+    site.cleanup()
+
+
+def specforge(site, *args, ranks=1, env_extra=None, expect=0):
+    env = site.env(SPECFORGE_STRICT_PLUGINS="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    cmd = [SPECFORGE, *args] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        "-m", "specforge_core.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if expect is not None:
+        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def features(site, tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("captured") / "feats"
+    proc = specforge(site, "capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
+                     "--batch-size", "4", "--set", "data.max_samples=40")
+    return out, proc
+
+
+def test_capture_writes_a_complete_feature_set_at_the_unpadded_minimum(features, tiny):
+    out, proc = features
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["strategy"] == "example"
+    assert manifest["samples"]["train"] == 40 and manifest["samples"]["eval"] > 0
+    capture = manifest["capture"]
+    assert 1.0 <= capture["ratio_to_unpadded_minimum"] < 1.2  # unpadded tensors plus small headers
+    assert f"{capture['ratio_to_unpadded_minimum']:.3f}x the unpadded minimum" in proc.stdout
+    assert (out / "frozen_parts.safetensors").exists() and (out / "token_counts.safetensors").exists()
+    assert "train: 40 samples (40 new, 0 reused)" in proc.stdout
+
+
+def test_capture_resumes_without_recapturing(site, tiny, features):
+    out, _ = features
+    proc = specforge(site, "capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
+                     "--set", "data.max_samples=40")
+    assert "train: 40 samples (0 new, 40 reused)" in proc.stdout
+
+
+def test_capture_into_a_folder_of_another_strategy_is_refused(site, tiny, features):
+    out, _ = features
+    proc = specforge(site, "capture", "--strategy", "linear", "--target-model", str(tiny), "--output", str(out),
+                     expect=None)
+    assert proc.returncode != 0
+    assert "already holds features of another target or strategy (example)" in proc.stderr
+
+
+def test_offline_run_from_captured_features(site, features, tmp_path):
+    out, _ = features
+    run = tmp_path / "run"
+    proc = specforge(site, "run", "--strategy", "example", "--features", str(out), "--output", str(run),
+                     "--set", "train.max_steps=4", "--set", "train.batch_size=4")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["topology"] == "offline"
+    assert "eval/acc" in summary["final_eval"]
+    assert "done: 4 steps" in proc.stdout
+
+
+def online_args(tiny, run, *extra, steps=6):
+    return ["run", "--strategy", "example", "--output", str(run), "--run-id", "on",
+            "--set", f"target_engine.model={tiny}", "--set", "data.max_samples=48",
+            "--set", f"train.max_steps={steps}", "--set", "train.batch_size=2", "--set", "train.lr=0.01", *extra]
+
+
+def test_online_colocated_run_captures_while_training(site, tiny, tmp_path):
+    run = tmp_path / "online"
+    specforge(site, *online_args(tiny, run))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["topology"] == "online-colocated"
+    assert summary["steps"] == 6
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert "eval/acc" in summary["final_eval"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_online_run_resumes_bit_exactly(site, tiny, tmp_path, ranks):
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    extra = ("--set", "train.save_every=2")
+    specforge(site, *online_args(tiny, full, *extra, steps=8), ranks=ranks)
+    crashed = specforge(site, *online_args(tiny, broken, *extra, steps=8), ranks=ranks,
+                        env_extra={"SF_TEST_CRASH_AT": "5"}, expect=None)
+    assert crashed.returncode != 0
+    specforge(site, *online_args(tiny, broken, *extra, "--resume", "latest", steps=8), ranks=ranks)
+
+    def losses(run):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r]
+
+    assert losses(broken) == losses(full)

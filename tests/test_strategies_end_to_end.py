@@ -1,0 +1,105 @@
+"""First-party strategies end to end on the tiny toy target, through the public CLI.
+
+For each installed strategy: online colocated training with export and the real
+speculative-decoding check, the offline path (capture, then train from features), two
+gloo ranks under torchrun, `specforge export` of a finished run and `specforge eval` of
+the export.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sf_helpers import SPECFORGE
+
+SMALL = {
+    "eagle3": ["--set", "strategy.ttt_length=3"],
+    "dflash": ["--set", "strategy.block_size=4", "--set", "strategy.num_anchors=4"],
+    "domino": ["--set", "strategy.block_size=4", "--set", "strategy.num_anchors=4", "--set", "strategy.emb_dim=16",
+               "--set", "strategy.gru_hidden_dim=16"],
+}
+
+
+def installed(name):
+    from specforge_core.plugins import PluginManager
+
+    return name in PluginManager().load().specs("strategy")
+
+
+STRATEGIES = [pytest.param(name, marks=pytest.mark.skipif(not installed(name), reason=f"{name} not installed"))
+              for name in ("eagle3", "dflash", "domino")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from specforge_plugin_hf.toy import build_toy_target
+
+    return build_toy_target(tmp_path_factory.mktemp("toy") / "tiny", "tiny", progress=False)
+
+
+def specforge(*args, ranks=1, expect=0):
+    import os
+
+    env = dict(os.environ, SPECFORGE_STRICT_PLUGINS="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [SPECFORGE, *args] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        "-m", "specforge_core.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if expect is not None:
+        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def run_args(strategy, tiny, out, *extra, steps=6):
+    return ["run", "--strategy", strategy, "--output", str(out), "--set", f"target_engine.model={tiny}",
+            "--set", "data.max_samples=32", "--set", f"train.max_steps={steps}", "--set", "train.batch_size=4",
+            "--set", "train.real_eval_prompts=4", "--set", "train.real_eval_max_new_tokens=16",
+            *SMALL[strategy], *extra]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_online_run_exports_and_reports_simulated_and_real_acceptance(strategy, tiny, tmp_path):
+    out = tmp_path / "run"
+    specforge(*run_args(strategy, tiny, out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["topology"] == "online-colocated"
+    assert summary["tau_sim"] is not None and summary["tau_sim"] >= 0
+    assert summary["tau_real"] >= 1.0
+    assert summary["real_eval"]["identical_to_target_greedy"] is True
+    assert "bonus token included" in summary["real_eval"]["convention"]
+    assert "bonus token excluded" in summary["tau_sim_convention"]
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["specforge_strategy"] == strategy
+    # export again from the run directory, then measure the export with `specforge eval`
+    again = tmp_path / "again"
+    specforge("export", str(out), "--format", "sglang", "--output", str(again))
+    assert (again / "model.safetensors").read_bytes() == (out / "export" / "model.safetensors").read_bytes()
+    result = json.loads(specforge("eval", "--draft", str(again), "--target-model", str(tiny), "--num-prompts", "4",
+                                  "--max-new-tokens", "16", "--json").stdout)
+    assert result["identical_to_target_greedy"] is True and result["prompts"] == 4
+    assert result["tau_real"] == pytest.approx(summary["tau_real"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offline_capture_then_training_from_features(strategy, tiny, tmp_path):
+    feats = tmp_path / "feats"
+    specforge("capture", "--strategy", strategy, "--target-model", str(tiny), "--output", str(feats),
+              "--set", "data.max_samples=24", *SMALL[strategy])
+    out = tmp_path / "run"
+    specforge(*run_args(strategy, tiny, out, "--features", str(feats), "--set", "train.epochs=2", steps=4))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["topology"] == "offline" and summary["steps"] == 4
+    assert summary["real_eval"]["identical_to_target_greedy"] is True
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_gloo_ranks(strategy, tiny, tmp_path):
+    out = tmp_path / "run"
+    specforge(*run_args(strategy, tiny, out, "--set", "train.save_every=2", steps=4), ranks=2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["real_eval"]["identical_to_target_greedy"] is True
+    assert sorted(p.name for p in (out / summary["latest_checkpoint"]).iterdir() if p.name.startswith("optim")) == [
+        "optim.rank0.json", "optim.rank0.safetensors", "optim.rank1.json", "optim.rank1.safetensors"]
