@@ -27,16 +27,18 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
     """``Σ w·CE`` over ``labels``/``weights [B, N, bs]``, and the argmax predictions ``[B, N, bs]``.
 
     ``logits_fn`` is called on block ranges of ``chunk_blocks`` blocks; the result does not
-    depend on the chunk size (up to float summation order).
+    depend on the chunk size (up to float summation order). ``weights`` may also be
+    ``[G, B, N, bs]``: then the result is ``[G]``, one weighted sum per row of weights, so
+    several losses over the same logits (Domino's base and final heads) take one pass.
     """
 
     def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_fn(start, end)  # [B, c, bs, V]
         logits = logits if logits.dtype == torch.float64 else logits.float()
         ce = F.cross_entropy(logits.flatten(0, 2), labels[:, start:end].flatten(), reduction="none")
-        return (ce * weights[:, start:end].flatten()).sum(), logits.argmax(-1)
+        return (ce * weights[..., start:end, :].flatten(-3)).sum(-1), logits.argmax(-1)
 
-    total = weights.new_zeros(())
+    total = weights.new_zeros(weights.shape[:-3])
     predictions = []
     for start in range(0, labels.shape[1], chunk_blocks):
         end = min(start + chunk_blocks, labels.shape[1])
@@ -49,19 +51,26 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
     return total, torch.cat(predictions, dim=1)
 
 
-def acceptance_lengths(correct: torch.Tensor) -> torch.Tensor:
-    """``[B, N]``: 1 + the length of the all-correct prefix of positions 1..bs-1 of ``correct [B, N, bs]``."""
-    return 1 + correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
+def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0) -> torch.Tensor:
+    """``[B, N]``: 1 + the length of the all-correct prefix of the drafted positions of ``correct [B, N, bs]``.
+
+    The bs-1 drafted positions are ``1..bs-1`` (``label_shift`` 0, DFlash), or ``0..bs-2`` with
+    ``label_shift`` 1 (Domino's ``shift_label``: position k predicts ``anchor + k + 1``).
+    """
+    first = 1 - label_shift
+    drafted = correct[..., first: first + correct.shape[-1] - 1]
+    return 1 + drafted.long().cumprod(dim=-1).sum(dim=-1)
 
 
 def block_metrics(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                  keep: torch.Tensor, *, prefix: str = "") -> dict[str, tuple[float, float]]:
+                  keep: torch.Tensor, *, prefix: str = "", label_shift: int = 0) -> dict[str, tuple[float, float]]:
     """Ratio metrics ``{prefix}acc`` and ``{prefix}accept_len`` as (numerator, denominator).
 
     A position counts as correct only where it is supervised (``label_mask``), so a block's
-    accepted prefix stops at the end of the response; only kept blocks count.
+    accepted prefix stops at the end of the response; only kept blocks count. ``label_shift``
+    is the one the blocks were drawn with (see :func:`acceptance_lengths`).
     """
     correct = (predictions == labels) & label_mask  # [B, N, bs]
-    accepted = acceptance_lengths(correct)[keep]
+    accepted = acceptance_lengths(correct, label_shift=label_shift)[keep]
     return {f"{prefix}acc": (float(correct.sum()), float(label_mask.sum())),
             f"{prefix}accept_len": (float(accepted.sum()), float(accepted.numel()))}

@@ -28,8 +28,8 @@ from .model import DFlashBackbone
 DraftFn = Callable[[DFlashBackbone, torch.Tensor, int, int], torch.Tensor]
 
 
-def draft_block(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, position: int) -> torch.Tensor:
-    """Argmax drafts for block positions 1..bs-1 after ``anchor_token`` at ``position``.
+def draft_hidden(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, position: int) -> torch.Tensor:
+    """Final draft hidden states ``[bs, H]`` of the block ``[anchor_token, MASK x (bs-1)]`` at ``position``.
 
     ``ctx [1, C, H]`` is the projected context of the ``C = position`` tokens before the
     anchor, all visible (they are strictly before it); the block attends to itself fully.
@@ -39,8 +39,12 @@ def draft_block(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, pos
     ids[0, 0] = anchor_token
     positions = torch.arange(position, position + bs, device=device)[None]
     mask = torch.ones(1, bs, ctx.shape[1] + bs, dtype=torch.bool, device=device)
-    hidden = model.run_layers(ctx, model.embed(ids), positions, mask)  # [1, bs, H]
-    return model.logits(hidden[0, 1:]).argmax(-1)
+    return model.run_layers(ctx, model.embed(ids), positions, mask)[0]
+
+
+def draft_block(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, position: int) -> torch.Tensor:
+    """Argmax drafts for block positions 1..bs-1 after ``anchor_token`` at ``position`` (see :func:`draft_hidden`)."""
+    return model.logits(draft_hidden(model, ctx, anchor_token, position)[1:]).argmax(-1)
 
 
 def _stop_ids(eos_token_id: int | Iterable[int] | None) -> set[int]:

@@ -24,7 +24,7 @@ from .config import DFlashConfig
 from .export import export_dflash, load_dflash
 from .loss import block_metrics, chunked_cross_entropy
 from .model import DFlashBackbone
-from .speculate import speculative_decode
+from .speculate import DraftFn, draft_block, speculative_decode
 
 #: The feature holding the concatenated target layers.
 HIDDEN_FEATURE = "target_hidden"
@@ -55,6 +55,8 @@ class DFlashStrategy:
     """DFlash (arXiv 2602.06036): a block drafted in one non-causal pass. Built as ``factory(options, context)``."""
 
     name = "dflash"
+    #: How :meth:`speculate` drafts a block; a variant with its own drafting (Domino) swaps in its DraftFn.
+    draft_fn: DraftFn = staticmethod(draft_block)
 
     def __init__(self, options: DFlashOptions, context: BuildContext | None = None) -> None:
         self.options = options
@@ -137,6 +139,6 @@ class DFlashStrategy:
         model.eval()
         try:
             return speculative_decode(model, session, prompt_ids, feature=HIDDEN_FEATURE,
-                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, draft=self.draft_fn)
         finally:
             model.train(was_training)

@@ -1,0 +1,57 @@
+"""The SGLang checkpoint of a Domino draft: DFlash's, plus the head's keys and config fields.
+
+SGLang serves Domino as a DFlash draft whose ``dflash_config.projector_type`` is
+``"domino"`` (``python/sglang/srt/models/dflash.py``, ``speculative/dflash_utils.py``,
+``speculative/domino_utils.py``), so the directory is DFlash's layout with four more tensors::
+
+    layers.*  fc.weight  hidden_norm.weight  norm.weight        DFlash's keys, unchanged
+    prefix_gru.weight_ih_l0   [3g, H]                           GRU gates r, z, n (no biases)
+    prefix_gru.weight_hh_l0   [3g, g]
+    embed_proj.0.weight       [e, H+g]                          Linear(H+g -> e); embed_proj.1 is the SiLU
+    embed_proj.2.weight       [V, e]                            Linear(e -> V)
+
+and ``config.json`` is DFlash's with ``dflash_config`` extended by ``projector_type: "domino"``,
+``emb_dim``, ``gru_hidden_dim``, ``pure_draft_prefix_len`` and ``shift_label`` (``emb_dim`` is
+repeated at the top level, as the reference checkpoints do; SGLang accepts either place and
+checks they agree), and ``specforge_strategy: "domino"``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from specforge_plugin_dflash.config import DFlashConfig
+from specforge_plugin_dflash.export import dflash_hf_config, load_state, read_export, write_export
+
+from .config import DominoHeadConfig
+from .model import DominoBackbone
+
+STRATEGY = "domino"
+
+
+def domino_hf_config(model: DominoBackbone) -> dict[str, Any]:
+    """``config.json`` of ``model``: DFlash's, with the head's fields merged into ``dflash_config``."""
+    head = model.head_config
+    return dflash_hf_config(model, STRATEGY, {"dflash_config": head.to_dflash_config(), "emb_dim": head.emb_dim})
+
+
+def export_domino(model: DominoBackbone, out_dir: str | os.PathLike[str]) -> Path:
+    """The ``domino`` export of ``model`` (every trainable tensor: the backbone's and the head's)."""
+    return write_export(model, out_dir, domino_hf_config(model))
+
+
+def load_domino(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.Tensor], *,
+                attention: str = "sdpa") -> DominoBackbone:
+    """A ``domino`` export back as a :class:`DominoBackbone` over the target's frozen embedding and lm_head.
+
+    The head's shape and alignment come from the export's config.json, not from options.
+    """
+    config, tensors = read_export(path, STRATEGY)
+    model = DominoBackbone(DFlashConfig.from_hf_config(config), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
+                           head=DominoHeadConfig.from_hf_config(config), attention=attention,
+                           dtype=getattr(torch, config.get("dtype", "float32")))
+    return load_state(model, tensors, str(path))

@@ -1,0 +1,97 @@
+"""The SGLang export: DFlash's keys plus the head's, the Domino config fields; reload is exact."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from specforge_core.protocols import BuildContext
+from specforge_plugin_dflash import DFlashOptions
+from specforge_plugin_dflash.blocks import block_attention_mask
+from specforge_plugin_dflash.export import DFlashExportError
+from specforge_plugin_dflash.strategy import DFlashStrategy
+
+from specforge_plugin_domino import DominoOptions
+from specforge_plugin_domino.config import DominoConfigError
+from specforge_plugin_domino.strategy import DominoStrategy
+
+HEAD_KEYS = {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"}
+
+
+def read(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return tensors, json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_holds_exactly_the_dflash_keys_plus_the_head_keys(tmp_path, random_target, make_draft, dtype):
+    info, frozen = random_target()
+    strategy, model = make_draft(info, frozen, dtype=dtype, gru_hidden_dim=24, emb_dim=16)
+    strategy.export(model, str(tmp_path / "domino"))
+    dflash = DFlashStrategy(DFlashOptions(block_size=4, num_layers=2, num_target_layers=3, dtype=dtype))
+    dflash.export(dflash.build_model(info, frozen, None), str(tmp_path / "dflash"))
+    tensors, _config = read(tmp_path / "domino")
+    dflash_tensors, _config = read(tmp_path / "dflash")
+    assert set(tensors) == set(dflash_tensors) | HEAD_KEYS  # no embed_tokens, no lm_head
+    assert all(tensors[k].shape == v.shape for k, v in dflash_tensors.items())
+    assert {k: tuple(tensors[k].shape) for k in HEAD_KEYS} == {
+        "prefix_gru.weight_ih_l0": (72, 32), "prefix_gru.weight_hh_l0": (72, 24),
+        "embed_proj.0.weight": (16, 56), "embed_proj.2.weight": (97, 16)}
+    assert tuple(tensors["fc.weight"].shape) == (32, 96)
+    assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
+
+
+def test_export_config_is_dflashs_with_the_domino_projector(tmp_path, make_draft):
+    strategy, model = make_draft(gru_hidden_dim=24, emb_dim=16, shift_label=False, pure_draft_prefix_len=0)
+    strategy.export(model, str(tmp_path))
+    _tensors, config = read(tmp_path)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["specforge_strategy"] == "domino"
+    assert config["dflash_config"] == {"block_size": 4, "mask_token_id": 96, "target_layer_ids": [1, 3, 5],
+                                       "num_target_layers": 8, "projector_type": "domino", "emb_dim": 16,
+                                       "gru_hidden_dim": 24, "pure_draft_prefix_len": 0, "shift_label": False}
+    assert config["emb_dim"] == 16  # repeated at the top level, as the reference checkpoints do
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["dtype"]) == (
+        32, 2, 97, "float32")
+
+
+@pytest.mark.parametrize("dtype, shift_label", [("float32", True), ("bfloat16", False)])
+def test_reloaded_export_gives_identical_final_logits(tmp_path, random_target, make_draft, dtype, shift_label):
+    info, frozen = random_target()
+    strategy, model = make_draft(info, frozen, dtype=dtype, shift_label=shift_label, pure_draft_prefix_len=0)
+    strategy.export(model, str(tmp_path))
+    # A strategy with default options: the head's shape and alignment come from config.json.
+    reloaded = DominoStrategy(DominoOptions(), BuildContext()).load_export(str(tmp_path), info, frozen)
+    assert reloaded.config == model.config and reloaded.head_config == model.head_config
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, 12, 96, generator=gen)
+    ids = torch.randint(0, 97, (1, 8), generator=gen)
+    positions = torch.cat([torch.arange(4, 8), torch.arange(7, 11)])[None]
+    mask = block_attention_mask(torch.tensor([[4, 7]]), torch.tensor([12]), 12, 4)
+    tokens = torch.randint(0, 97, (1, 2, 4), generator=gen)
+
+    def final(m):
+        hidden = m(feats, ids, positions, mask).view(1, 2, 4, -1)
+        return m.final_logits(m.logits(hidden), hidden, m.block_states(tokens))
+
+    with torch.no_grad():
+        assert torch.equal(final(model), final(reloaded))
+    assert reloaded.embed_tokens.data_ptr() == frozen["embed_tokens"].data_ptr()  # shared, not copied
+
+
+def test_domino_and_dflash_refuse_each_others_exports(tmp_path, random_target, make_draft):
+    info, frozen = random_target()
+    strategy, model = make_draft(info, frozen)
+    strategy.export(model, str(tmp_path / "domino"))
+    with pytest.raises(DFlashExportError, match="holds a domino export"):
+        DFlashStrategy(DFlashOptions()).load_export(str(tmp_path / "domino"), info, frozen)
+    dflash = DFlashStrategy(DFlashOptions(block_size=4, num_layers=2, num_target_layers=3))
+    dflash.export(dflash.build_model(info, frozen, None), str(tmp_path / "dflash"))
+    with pytest.raises(DFlashExportError, match="holds a dflash export"):
+        strategy.load_export(str(tmp_path / "dflash"), info, frozen)
+    config = json.loads((tmp_path / "domino" / "config.json").read_text())
+    del config["dflash_config"]["gru_hidden_dim"]
+    (tmp_path / "domino" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DominoConfigError, match="lacks a Domino field.*gru_hidden_dim"):
+        strategy.load_export(str(tmp_path / "domino"), info, frozen)

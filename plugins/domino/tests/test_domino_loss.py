@@ -1,0 +1,128 @@
+"""The dual loss L = (1-λ)·final + λ·base, its metrics, and the head's shapes and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specforge_core.contracts import StepContext
+from specforge_plugin_dflash.loss import acceptance_lengths
+
+SAMPLES = 3
+
+
+def batch_for(strategy, lengths=(14, 9, 17)):
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for length in lengths:
+        mask = torch.ones(length, dtype=torch.long)
+        mask[: length // 3] = 0
+        samples.append({"input_ids": torch.randint(3, 90, (length,), generator=gen), "loss_mask": mask,
+                        "target_hidden": torch.randn(length, 96, generator=gen)})
+    return strategy.collate(samples, [f"s{i}" for i in range(len(samples))])
+
+
+def reference(strategy, model, batch, ctx):
+    """Σw·CE of both heads, accuracies and acceptance, from full (unchunked) logits."""
+    head = model.head_config
+    blocks = strategy.draw_blocks(model, batch, ctx, label_shift=head.label_shift)
+    hidden = strategy.block_hidden(model, batch, blocks)
+    base = model.logits(hidden)
+    final = model.final_logits(base, hidden, model.block_states(blocks.tokens))
+    out = {"weight": float(blocks.weights.sum())}
+    for name, logits in (("base", base), ("final", final)):
+        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
+        out[f"{name}_ce"] = (ce * blocks.weights.flatten()).sum()
+        correct = (logits.argmax(-1) == blocks.labels) & blocks.label_mask
+        out[f"{name}_acc"] = float(correct.sum()) / float(blocks.label_mask.sum())
+        accepted = acceptance_lengths(correct, label_shift=head.label_shift)[blocks.keep]
+        out[f"{name}_accept"] = float(accepted.float().mean())
+    return out
+
+
+@pytest.mark.parametrize("shift_label", [True, False])
+@pytest.mark.parametrize("step", [0, 2, 4, 7])
+def test_loss_is_one_minus_lambda_final_plus_lambda_base(make_draft, shift_label, step):
+    strategy, model = make_draft(shift_label=shift_label, num_anchors=4, loss_decay_gamma=3.0, logit_chunk_size=3)
+    batch = batch_for(strategy)
+    ctx = StepContext(global_step=step, total_steps=8)  # window floor(8 * 0.5) = 4
+    lam = max(0.0, 1.0 - step / 4)
+    with torch.no_grad():
+        out = strategy.forward_loss(model, batch, ctx)
+        ref = reference(strategy, model, batch, ctx)
+    weight = ref["weight"]
+    assert out.metrics == {"lambda": pytest.approx(lam)}
+    expected = ((1 - lam) * ref["final_ce"] + lam * ref["base_ce"]) / weight
+    assert float(out.loss) == pytest.approx(float(expected), rel=1e-5)
+    ratios = out.ratio_metrics
+    assert ratios["final_loss"][1] == ratios["base_loss"][1] == pytest.approx(weight)
+    assert ratios["final_loss"][0] == pytest.approx(float(ref["final_ce"]), rel=1e-5)
+    assert ratios["base_loss"][0] == pytest.approx(float(ref["base_ce"]), rel=1e-5)
+    assert ratios["final_loss"][0] != ratios["base_loss"][0]  # the correction is not zero
+    for name, key in (("acc", "final_acc"), ("base_acc", "base_acc"), ("accept_len", "final_accept"),
+                      ("base_accept_len", "base_accept")):
+        assert ratios[name][0] / ratios[name][1] == pytest.approx(ref[key]), name
+    assert ratios["no_anchor_samples"] == (0.0, float(SAMPLES))
+
+
+def test_the_loss_does_not_depend_on_the_logit_chunk_size(make_draft):
+    outputs = []
+    for chunk in (1, 2, 16):
+        strategy, model = make_draft(num_anchors=5, logit_chunk_size=chunk)
+        with torch.no_grad():
+            outputs.append(strategy.forward_loss(model, batch_for(strategy), StepContext(global_step=1, total_steps=8)))
+    for out in outputs[1:]:
+        assert float(out.loss) == pytest.approx(float(outputs[0].loss), rel=1e-6)
+        assert out.ratio_metrics["acc"] == outputs[0].ratio_metrics["acc"]
+
+
+def head_grads(strategy, model, ctx):
+    model.zero_grad(set_to_none=True)
+    strategy.forward_loss(model, batch_for(strategy), ctx).loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_while_lambda_is_one_only_the_base_trains_and_without_a_horizon_the_head_trains(make_draft):
+    strategy, model = make_draft(num_anchors=4)
+    grads = head_grads(strategy, model, StepContext(global_step=0, total_steps=10))  # λ = 1
+    head = {n: g for n, g in grads.items() if n.startswith(("prefix_gru.", "embed_proj."))}
+    assert set(head) == {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight",
+                         "embed_proj.2.weight"}
+    assert all(g is not None and not g.any() for g in head.values())
+    assert grads["fc.weight"].abs().sum() > 0
+    grads = head_grads(strategy, model, StepContext(global_step=0, total_steps=None))  # λ = 0
+    assert all(grads[n].abs().sum() > 0 for n in head)
+
+
+def test_head_shapes_follow_h_g_e_and_v(make_draft):
+    _strategy, model = make_draft(gru_hidden_dim=24, emb_dim=16)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert {n: s for n, s in shapes.items() if n.startswith(("prefix_gru.", "embed_proj."))} == {
+        "prefix_gru.weight_ih_l0": (3 * 24, 32), "prefix_gru.weight_hh_l0": (3 * 24, 24),
+        "embed_proj.0.weight": (16, 32 + 24), "embed_proj.2.weight": (97, 16)}
+    tokens = torch.randint(0, 97, (2, 5, 4))  # [B, N, bs]
+    hidden = torch.randn(2, 5, 4, 32)
+    with torch.no_grad():
+        states = model.block_states(tokens)
+        final = model.final_logits(model.logits(hidden), hidden, states)
+    assert states.shape == (2, 5, 4, 24) and final.shape == (2, 5, 4, 97) and final.dtype == torch.float32
+
+
+def test_acceptance_counts_the_drafted_positions_of_each_alignment():
+    correct = torch.tensor([[[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 0]]], dtype=torch.bool)  # [1, 3, bs=4]
+    assert acceptance_lengths(correct, label_shift=0).tolist() == [[2, 4, 3]]  # positions 1..3
+    assert acceptance_lengths(correct, label_shift=1).tolist() == [[3, 1, 4]]  # positions 0..2
+
+
+def test_grouped_weights_give_each_loss_its_weighted_sum_in_one_pass():
+    from specforge_plugin_dflash.loss import chunked_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 3, 11, generator=gen, requires_grad=True)  # [B, N, bs, V]
+    labels = torch.randint(0, 11, (2, 5, 3), generator=gen)
+    weights = torch.rand(2, 2, 5, 3, generator=gen)  # [G, B, N, bs]
+    sums, predictions = chunked_cross_entropy(lambda a, b: logits[:, a:b], labels, weights, 2)
+    singles = [chunked_cross_entropy(lambda a, b: logits[:, a:b], labels, w, 2)[0] for w in weights]
+    assert sums.shape == (2,) and torch.allclose(sums, torch.stack(singles))
+    assert torch.equal(predictions, logits.argmax(-1))
+    sums.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
