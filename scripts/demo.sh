@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Set up and run the main job on a fresh machine. Until the first-party strategies land,
-# the main job is: list the plugins, then resolve and validate a full run plan with the
-# out-of-tree example strategy (installed into a scratch directory, not into the venv).
+# Set up a fresh machine and run the main job: train an EAGLE3 draft for the embedded toy
+# target on its bundled conversations (online colocated), export it for SGLang, and
+# measure its real acceptance length with lossless speculative decoding.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-dev.sh
 VENV="${SPECFORGE_VENV:-.venv}"
 "$VENV/bin/specforge" plugins
-scratch="$(mktemp -d)"
-trap 'rm -rf "$scratch"' EXIT
-"$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation --target "$scratch" ./examples/specforge-plugin-example
-PYTHONPATH="$scratch" "$VENV/bin/specforge" run --strategy example --set train.max_steps=100 --dry-run
+OUT="${1:-runs/demo}"
+"$VENV/bin/specforge" run --strategy eagle3 --output "$OUT"
+"$VENV/bin/python" - "$OUT/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(f"tau_sim {s['tau_sim']:.3f} ({s['tau_sim_convention']})")
+print(f"tau_real {s['tau_real']:.3f} ({s['real_eval']['convention']}); "
+      f"identical to target greedy: {s['real_eval']['identical_to_target_greedy']}")
+print(f"draft exported to {s['export']}")
+PY
