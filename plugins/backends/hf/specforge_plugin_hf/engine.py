@@ -1,0 +1,452 @@
+"""The ``hf`` target engine: a transformers causal LM run in-process.
+
+``HFTargetEngine`` loads a model (a local folder saved with ``save_pretrained``, a hub id
+when the user has network, or the embedded toy target), captures the hidden states a
+strategy's :class:`~specforge_core.protocols.CapturePlan` asks for, hands out the frozen
+embedding / lm_head / final norm, and opens KV-cached :class:`HFVerifySession` s for
+speculative decoding.
+
+Layer ids follow ``ALGORITHMS.md``: layer id ``i`` is the output of decoder layer ``i``,
+transformers' ``hidden_states[i + 1]``; ``last_hidden`` is ``hidden_states[-1]``, which
+transformers returns after the final norm (the lm_head input), so the last layer id gives
+the final norm's output too.
+
+Features are recorded with forward hooks on just the decoder layers a plan names (and the
+final norm) rather than ``output_hidden_states=True``, which would keep every layer's
+``[B, S, H]`` output alive: for an 8B target and a batch of 8 x 4096 tokens that is ~10 GB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from specforge_core.contracts import FeatureSpec
+from specforge_core.dtypes import dtype_name, torch_dtype
+from specforge_core.options import build_options, options_to_dict
+from specforge_core.protocols import BuildContext, CapturePlan, TargetInfo
+
+from . import HFEngineOptions
+from .attention import register_batch_invariant_attention
+from .errors import CapturePlanError, TargetEngineError, TargetModelNotFoundError
+from .padding import right_pad
+from .toy import ensure_toy_target, read_manifest
+
+#: Names under which transformers architectures keep the final norm on the base model.
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
+#: Names under which they keep the decoder layers.
+_DECODER_LAYER_NAMES = ("layers", "h", "blocks")
+
+
+class HFTargetEngine:
+    """Runs a transformers causal LM and captures its hidden states.
+
+    Built by the ``hf`` spec as ``HFTargetEngine(options, context)``. With
+    ``options.model`` unset it serves the toy target (built once and cached, see
+    :mod:`specforge_plugin_hf.toy`), and :meth:`default_data` then names the toy
+    conversations it was trained on.
+
+    The target is frozen: every parameter has ``requires_grad=False`` and forwards run
+    under ``torch.no_grad()`` (not ``inference_mode``, whose tensors could not be fed to a
+    draft model's autograd graph).
+    """
+
+    def __init__(self, options: HFEngineOptions | None = None, context: BuildContext | None = None) -> None:
+        # Re-validate: the engine can be built from an options instance that skipped the
+        # CLI/YAML validation, and a bad dtype should fail before minutes of loading.
+        self.options = build_options(HFEngineOptions, options_to_dict(options or HFEngineOptions()),
+                                     section="target_engine")
+        self.context = context or BuildContext()
+        self.device = _resolve_device(self.options.device)
+        if self.options.model is None:
+            self.model_path: Path | None = ensure_toy_target(self.options.toy_variant)
+            source = str(self.model_path)
+        else:
+            self.model_path = _local_model_folder(self.options.model)
+            source = str(self.model_path) if self.model_path is not None else self.options.model
+        self._toy_manifest = read_manifest(self.model_path) if self.model_path is not None else None
+        self._tokenizer = _load_tokenizer(source)
+        self._model = _load_model(source, self.options, self.device)
+        self._config = self._model.config.get_text_config()
+        self._num_layers = int(self._config.num_hidden_layers)
+        self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
+        if self._toy_manifest is not None:
+            self.model_id = f"specforge/toy-target-{self._toy_manifest['variant']}@{self._toy_manifest['recipe_digest']}"
+        else:
+            self.model_id = self.options.model or source
+
+    # -- what strategies ask first -------------------------------------------------------
+
+    def info(self) -> TargetInfo:
+        """Layers, widths, vocabulary, dtype, chat template and the Llama-style fields drafts copy."""
+        config = self._config
+        extra = {
+            "architecture": (self._model.config.architectures or [type(self._model).__name__])[0],
+            "model_type": getattr(config, "model_type", None),
+            "num_attention_heads": getattr(config, "num_attention_heads", None),
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+            "head_dim": getattr(config, "head_dim", None),
+            "intermediate_size": getattr(config, "intermediate_size", None),
+            "rms_norm_eps": getattr(config, "rms_norm_eps", None),
+            "rope_parameters": getattr(config, "rope_parameters", None),
+            "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+            "tie_word_embeddings": getattr(self._model.config, "tie_word_embeddings", None),
+            "rope_theta": (getattr(config, "rope_parameters", None) or {}).get("rope_theta"),
+            "mask_token_id": getattr(self._tokenizer, "mask_token_id", None),
+            "tokenizer_size": len(self._tokenizer),
+            "bos_token_id": self._tokenizer.bos_token_id,
+            "eos_token_id": self._tokenizer.eos_token_id,
+            "pad_token_id": self._tokenizer.pad_token_id,
+            "device": str(self.device),
+            "attn_implementation": self._model.config._attn_implementation,
+            "model_path": str(self.model_path) if self.model_path is not None else None,
+        }
+        if self._toy_manifest is not None:
+            extra["toy_variant"] = self._toy_manifest["variant"]
+            extra["toy_recipe_digest"] = self._toy_manifest["recipe_digest"]
+        return TargetInfo(
+            num_layers=self._num_layers,
+            hidden_size=int(config.hidden_size),
+            vocab_size=self._vocab_size,
+            dtype=dtype_name(self._model.dtype),
+            model_id=self.model_id,
+            chat_template=self._tokenizer.chat_template,
+            extra=_json_safe(extra),
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer (a transformers tokenizer with its chat template)."""
+        return self._tokenizer
+
+    @property
+    def model(self) -> Any:
+        """The underlying transformers model (frozen, in eval mode)."""
+        return self._model
+
+    def frozen_parts(self) -> dict[str, torch.Tensor]:
+        """``embed_tokens [V, H]``, ``lm_head [V, H]`` and final ``norm [H]`` weights, detached.
+
+        They share memory with the target (no copy): read them, never write them.
+        """
+        return {
+            "embed_tokens": self._model.get_input_embeddings().weight.detach(),
+            "lm_head": self._model.get_output_embeddings().weight.detach(),
+            "norm": self._final_norm().weight.detach(),
+        }
+
+    def default_data(self) -> tuple[Path, Path] | None:
+        """(train.jsonl, eval.jsonl) of the toy conversations when serving the toy target, else None."""
+        if self._toy_manifest is None or self.model_path is None:
+            return None
+        data = self._toy_manifest["data"]
+        return self.model_path / data["train"], self.model_path / data["eval"]
+
+    # -- capture --------------------------------------------------------------------------
+
+    def capture(self, samples: Sequence[Mapping[str, Any]], plan: CapturePlan) -> list[dict[str, Any]]:
+        """Per sample and unpadded, the plan's features plus every key of the sample passed through.
+
+        ``samples`` are mappings with a 1-D integer ``input_ids`` each. Samples run in
+        right-padded batches of ``capture_batch_size`` (one forward per batch, without the
+        lm_head); each returned tensor is a fresh, contiguous tensor of the sample's own
+        length: ``plan.hidden_feature`` ``[S, len(layer_ids) * H]`` (when the plan names
+        layers) and ``last_hidden`` ``[S, H]`` (when ``plan.last_hidden``), in the dtype
+        the plan's ``features`` specs give, else the model's dtype.
+        """
+        layers = self._check_plan(plan)
+        rows = [self._input_ids(sample, f"sample {index}") for index, sample in enumerate(samples)]
+        results: list[dict[str, Any]] = []
+        size = self.options.capture_batch_size
+        for start in range(0, len(rows), size):
+            results.extend(self._capture_batch(samples[start:start + size], rows[start:start + size], plan, layers))
+        return results
+
+    @torch.no_grad()
+    def _capture_batch(self, samples: Sequence[Mapping[str, Any]], rows: list[torch.Tensor], plan: CapturePlan,
+                       layers: tuple[int, ...]) -> list[dict[str, Any]]:
+        lengths = [len(row) for row in rows]
+        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        ids, mask = right_pad(rows, pad_id, self.device)
+        # The base model, not the causal LM: capture never needs logits, and the lm_head
+        # is a large share of a big-vocabulary target's forward.
+        with self._recording(plan, layers) as outputs:
+            self._model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
+        results = []
+        for i, (sample, length) in enumerate(zip(samples, lengths)):
+            result = dict(sample)
+            result.update(self._features(outputs, i, length, plan, layers))
+            results.append(result)
+        return results
+
+    @contextlib.contextmanager
+    def _recording(self, plan: CapturePlan, layers: tuple[int, ...]) -> Iterator[dict[Any, torch.Tensor]]:
+        """Hooks that fill the yielded dict during one forward: layer id -> that layer's
+        ``[B, S, H]`` output, and ``"last"`` -> the final norm's output (= ``hidden_states[-1]``)."""
+        outputs: dict[Any, torch.Tensor] = {}
+        # Hooks live on the shared model, so a forward in another thread (a capture producer
+        # next to a verify session) fires them too; record only this thread's forward.
+        owner = threading.get_ident()
+
+        def keep(key: Any) -> Any:
+            def hook(_module: Any, _inputs: Any, output: Any) -> None:
+                if threading.get_ident() == owner:
+                    outputs[key] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        last = self._num_layers - 1
+        decoder_layers = self._decoder_layers()
+        handles = [decoder_layers[i].register_forward_hook(keep(i)) for i in layers if i != last]
+        if plan.last_hidden or last in layers:
+            handles.append(self._final_norm().register_forward_hook(keep("last")))
+        try:
+            yield outputs
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _features(self, outputs: Mapping[Any, torch.Tensor], row: int, length: int, plan: CapturePlan,
+                  layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The plan's features of one row, unpadded, each a new contiguous tensor (never a view)."""
+        last = self._num_layers - 1
+        features = {}
+        if layers:
+            # torch.cat always allocates, so the feature does not pin the padded batch.
+            features[plan.hidden_feature] = torch.cat(
+                [outputs["last" if i == last else i][row, :length] for i in layers], dim=-1)
+        if plan.last_hidden:
+            features["last_hidden"] = outputs["last"][row, :length].clone(memory_format=torch.contiguous_format)
+        for name, tensor in features.items():
+            spec = _feature_spec(plan, name)
+            if spec is not None and dtype_name(tensor.dtype) != spec.dtype:
+                features[name] = tensor.to(torch_dtype(spec.dtype))
+        return features
+
+    def _check_plan(self, plan: CapturePlan) -> tuple[int, ...]:
+        layers = tuple(plan.layer_ids)
+        last = self._num_layers - 1
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= last:
+                raise CapturePlanError(
+                    f"capture plan asks for layer id {layer!r}, but target {self.model_id!r} has "
+                    f"{self._num_layers} decoder layers: valid layer ids are 0..{last} "
+                    f"(layer id i is the output of decoder layer i)"
+                )
+        hidden = int(self._config.hidden_size)
+        widths = {plan.hidden_feature: len(layers) * hidden} if layers else {}
+        if plan.last_hidden:
+            widths["last_hidden"] = hidden
+        for name, width in widths.items():
+            spec = _feature_spec(plan, name)
+            if spec is not None and spec.shape[-1] not in (-1, width):
+                raise CapturePlanError(
+                    f"capture plan declares feature {name!r} with width {spec.shape[-1]}, but the target gives "
+                    f"{width} ({len(layers) if name != 'last_hidden' else 1} x hidden size {hidden}); "
+                    "derive the width from TargetInfo.hidden_size"
+                )
+        return layers
+
+    def _input_ids(self, sample: Any, where: str) -> torch.Tensor:
+        if isinstance(sample, Mapping):
+            if "input_ids" not in sample:
+                raise TargetEngineError(f"{where} has no 'input_ids' (it has: {', '.join(map(str, sample)) or 'nothing'})")
+            ids = sample["input_ids"]
+        else:
+            ids = sample
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TargetEngineError(
+                f"{where}: input_ids must be a non-empty 1-D integer tensor, got shape {tuple(ids.shape)} "
+                f"dtype {dtype_name(ids.dtype)}"
+            )
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self._vocab_size:
+            bad = low if low < 0 else high
+            raise TargetEngineError(
+                f"{where}: token id {bad} is outside the target's vocabulary 0..{self._vocab_size - 1}; "
+                "tokenize with the target's tokenizer (engine.tokenizer)"
+            )
+        return ids.to(device=self.device, dtype=torch.long)
+
+    def _decoder_layers(self) -> torch.nn.ModuleList:
+        base = self._model.base_model
+        for name in _DECODER_LAYER_NAMES:
+            layers = getattr(base, name, None)
+            if isinstance(layers, torch.nn.ModuleList) and len(layers) == self._num_layers:
+                return layers
+        raise TargetEngineError(
+            f"cannot find the {self._num_layers} decoder layers of {type(self._model).__name__} (looked for "
+            f"{', '.join(_DECODER_LAYER_NAMES)} on its base model); this architecture is not supported by the hf engine"
+        )
+
+    def _final_norm(self) -> torch.nn.Module:
+        base = self._model.base_model
+        for name in _FINAL_NORM_NAMES:
+            module = getattr(base, name, None)
+            if isinstance(module, torch.nn.Module) and getattr(module, "weight", None) is not None:
+                return module
+        raise TargetEngineError(
+            f"cannot find the final norm of {type(self._model).__name__} (looked for "
+            f"{', '.join(_FINAL_NORM_NAMES)} on its base model); this architecture is not supported by the hf engine"
+        )
+
+    # -- verification -----------------------------------------------------------------------
+
+    def session(self, prompt_ids: Any, plan: CapturePlan) -> HFVerifySession:
+        """A KV-cached session over ``prompt_ids`` (1-D); its ``prefill`` holds the prompt's outputs."""
+        return HFVerifySession(self, prompt_ids, plan)
+
+
+class HFVerifySession:
+    """A target forward with a transformers ``DynamicCache``, for speculative decoding.
+
+    Creating the session runs the prompt; :attr:`prefill` holds its outputs (the same
+    keys as :meth:`extend`), so the first token and the draft's first features come from
+    it. ``extend(ids)`` appends tokens and returns, for those tokens only, ``logits
+    [n, V]`` plus the plan's features; ``truncate(length)`` drops cached positions at and
+    beyond ``length`` (rejected draft tokens); ``length`` is the number of cached positions.
+    """
+
+    def __init__(self, engine: HFTargetEngine, prompt_ids: Any, plan: CapturePlan) -> None:
+        from transformers import DynamicCache
+
+        self._engine = engine
+        self._plan = plan
+        self._layers = engine._check_plan(plan)
+        self._cache = DynamicCache(config=engine.model.config)
+        self.length = 0
+        self.prefill: dict[str, torch.Tensor] | None = None if prompt_ids is None else self.extend(prompt_ids)
+
+    @torch.no_grad()
+    def extend(self, ids: Any) -> dict[str, torch.Tensor]:
+        ids = self._engine._input_ids(ids, "session.extend")
+        # position ids and the causal mask follow from the cache length
+        with self._engine._recording(self._plan, self._layers) as outputs:
+            out = self._engine.model(input_ids=ids[None], past_key_values=self._cache, use_cache=True)
+        self.length += len(ids)
+        result = {"logits": out.logits[0]}
+        result.update(self._engine._features(outputs, 0, len(ids), self._plan, self._layers))
+        return result
+
+    def truncate(self, length: int) -> None:
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise TargetEngineError(f"session.truncate({length!r}): length must be an integer in 0..{self.length} "
+                                    "(the number of cached positions)")
+        if length < self.length:
+            try:
+                self._cache.crop(length - self.length)  # a negative count removes that many positions
+            except RuntimeError as exc:
+                raise TargetEngineError(f"this target's cache cannot roll back: {exc}") from exc
+            self.length = length
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise TargetEngineError("target_engine.device is 'cuda' but torch sees no CUDA device; "
+                                    "use --set target_engine.device=cpu (or auto)")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return torch_dtype(dtype)
+    if device.type == "cpu":
+        # bfloat16 matmuls are slow on most CPUs and float32 keeps capture batch-invariant
+        return torch.float32
+    saved = getattr(config, "dtype", None)
+    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _resolve_attention(name: str, device: torch.device) -> str:
+    if name == "auto":
+        name = "batch_invariant" if device.type == "cpu" else "sdpa"
+    if name == "batch_invariant":
+        return register_batch_invariant_attention()
+    return name
+
+
+def _local_model_folder(model: str) -> Path | None:
+    """The local folder ``model`` names, or None when it can only be a hub id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetModelNotFoundError(
+                f"target model folder {path} has no config.json; point target_engine.model at a folder written "
+                "by save_pretrained (config.json, *.safetensors and the tokenizer files)"
+            )
+        return path
+    hub_id = not path.is_absolute() and not model.startswith((".", "~")) and model.count("/") <= 1
+    if path.exists() or not hub_id:
+        raise TargetModelNotFoundError(
+            f"target model folder {path} does not exist; pass a folder written by save_pretrained "
+            "(or a hub id such as org/name when you have network)"
+        )
+    return None
+
+
+def _load_tokenizer(source: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise TargetModelNotFoundError(
+            f"cannot load the tokenizer of target model {source!r} ({_reason(exc)}); a local folder needs the "
+            "tokenizer files (tokenizer.json, tokenizer_config.json), a hub id needs network (HF_HUB_OFFLINE unset)"
+        ) from exc
+
+
+def _load_model(source: str, options: HFEngineOptions, device: torch.device) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=_resolve_dtype(options.dtype, device, config),
+            attn_implementation=_resolve_attention(options.attn_implementation, device),
+        )
+    except (OSError, ValueError) as exc:
+        raise TargetModelNotFoundError(f"cannot load target model {source!r} as a causal LM ({_reason(exc)}); "
+                                       "pass a folder written by save_pretrained") from exc
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's message on one line, without its closing period (it goes mid-sentence)."""
+    return " ".join(str(exc).split()).rstrip(".")
+
+
+def _feature_spec(plan: CapturePlan, name: str) -> FeatureSpec | None:
+    """The plan's spec of feature ``name`` (plans may carry FeatureSpecs or their dicts)."""
+    spec = plan.features.get(name)
+    return FeatureSpec.from_dict(spec) if isinstance(spec, Mapping) else spec
+
+
+def _json_safe(value: dict[str, Any]) -> dict[str, Any]:
+    """Drop what JSON cannot carry (TargetInfo travels in manifests and checkpoints)."""
+    safe = {}
+    for key, item in value.items():
+        try:
+            json.dumps(item, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        safe[key] = item
+    return safe
+
+
+__all__ = ["HFTargetEngine", "HFVerifySession"]

@@ -1,0 +1,342 @@
+"""The hf target engine: conformance, exact batched capture, verify sessions, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge_core.contracts import FeatureSpec
+from specforge_core.errors import OptionError
+from specforge_core.protocols import CapturePlan, TargetEngine, VerifySession
+from specforge_core.testing.target_engine_suite import TargetEngineConformance
+from specforge_plugin_hf import HFEngineOptions, specforge_target_engines
+from specforge_plugin_hf.engine import HFTargetEngine
+from specforge_plugin_hf.errors import CapturePlanError, TargetEngineError, TargetModelNotFoundError
+
+
+def make_engine(folder: Path, **options) -> HFTargetEngine:
+    return HFTargetEngine(HFEngineOptions(model=str(folder), **options))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_toy_target: Path) -> HFTargetEngine:
+    return make_engine(tiny_toy_target)
+
+
+def conversation_samples(engine: HFTargetEngine, split: int = 1, limit: int = 16) -> list[dict]:
+    """Chat-templated toy conversations (the data capture really sees), of unequal lengths."""
+    path = engine.default_data()[split]
+    conversations = [json.loads(line) for line in path.read_text().splitlines()][:limit]
+    samples = []
+    for conversation in conversations:
+        ids = engine.tokenizer.apply_chat_template(conversation["messages"], tokenize=True)["input_ids"]
+        samples.append({"input_ids": torch.tensor(ids)})
+    return samples
+
+
+class TestHFEngineConformance(TargetEngineConformance):
+    @pytest.fixture(autouse=True)
+    def _toy(self, tiny_toy_target: Path) -> None:
+        self.toy = tiny_toy_target
+
+    def make_engine(self, tmp_path):
+        return make_engine(self.toy)
+
+
+def test_engine_satisfies_the_target_engine_protocol(engine):
+    assert isinstance(engine, TargetEngine)
+    session = engine.session(torch.tensor([1, 5, 7]), CapturePlan(layer_ids=(1,)))
+    assert isinstance(session, VerifySession)
+
+
+def test_spec_factory_builds_the_engine(tiny_toy_target):
+    (spec,) = specforge_target_engines()
+    options = spec.build_options({"model": str(tiny_toy_target), "capture_batch_size": 3})
+    engine = spec.load_factory()(options, None)
+    assert engine.info().num_layers == 4
+
+
+# -- capture is exact ---------------------------------------------------------------------------
+
+
+def test_padded_batch_capture_equals_a_direct_single_sample_forward_exactly(engine):
+    """Each sample of a right-padded batch captures bit for bit what a plain transformers
+    forward of that sample alone gives (CPU, float32, the batch_invariant attention)."""
+    samples = conversation_samples(engine)
+    # one long sample too, beyond the ~200 keys where eager attention stops being exact
+    samples.append({"input_ids": torch.cat([s["input_ids"] for s in samples[:6]])[:250]})
+    lengths = [len(s["input_ids"]) for s in samples]
+    assert len(set(lengths)) > 3 and max(lengths) >= 200, lengths
+    plan = CapturePlan(layer_ids=(0, 2, 3), hidden_feature="aux_hidden", last_hidden=True)
+    captured = make_engine(engine.model_path, capture_batch_size=len(samples)).capture(samples, plan)
+    for sample, result in zip(samples, captured):
+        with torch.no_grad():
+            hidden = engine.model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+        want = torch.cat([hidden[1][0], hidden[3][0], hidden[4][0]], dim=-1)
+        assert torch.equal(result["aux_hidden"], want), len(sample["input_ids"])
+        assert torch.equal(result["last_hidden"], hidden[-1][0])
+
+
+def test_batch_invariant_attention_computes_what_eager_attention_computes(engine):
+    eager = make_engine(engine.model_path, attn_implementation="eager")
+    assert eager.info().extra["attn_implementation"] == "eager"
+    assert engine.info().extra["attn_implementation"] == "specforge_batch_invariant"
+    samples = conversation_samples(engine, limit=6)
+    plan = CapturePlan(layer_ids=(0, 1, 2, 3), last_hidden=True)
+    for ours, theirs in zip(engine.capture(samples, plan), eager.capture(samples, plan)):
+        torch.testing.assert_close(ours["aux_hidden"], theirs["aux_hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_capture_splits_batches_by_capture_batch_size(engine):
+    samples = conversation_samples(engine, limit=5)
+    plan = CapturePlan(layer_ids=(1,), last_hidden=True)
+    whole = make_engine(engine.model_path, capture_batch_size=5).capture(samples, plan)
+    split = make_engine(engine.model_path, capture_batch_size=2).capture(samples, plan)
+    for a, b in zip(whole, split):
+        assert torch.equal(a["aux_hidden"], b["aux_hidden"]) and torch.equal(a["last_hidden"], b["last_hidden"])
+
+
+def test_layer_id_i_is_hidden_states_i_plus_one_and_the_last_layer_is_normed(engine):
+    sample = conversation_samples(engine, limit=1)[0]
+    result = engine.capture([sample], CapturePlan(layer_ids=(3,), last_hidden=True))[0]
+    # the last decoder layer's entry in hidden_states is already final-normed in transformers 5
+    assert torch.equal(result["aux_hidden"], result["last_hidden"])
+    logits = result["last_hidden"] @ engine.frozen_parts()["lm_head"].T
+    with torch.no_grad():
+        want = engine.model(input_ids=sample["input_ids"][None]).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+# -- sessions -------------------------------------------------------------------------------------
+
+
+def greedy_with_session(engine: HFTargetEngine, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    session = engine.session(prompt, CapturePlan(layer_ids=(0,)))
+    token = int(session.prefill["logits"][-1].argmax())
+    out = [token]
+    while len(out) < max_new_tokens and token != engine.tokenizer.eos_token_id:
+        token = int(session.extend(torch.tensor([token]))["logits"][-1].argmax())
+        out.append(token)
+    return out
+
+
+def prompt_ids(engine: HFTargetEngine, text: str) -> torch.Tensor:
+    enc = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+    return torch.tensor(enc["input_ids"])
+
+
+@pytest.mark.parametrize("text", ["What is 12 + 7?", "Who rules Kelmar?", "Spell 'lamp' backwards."])
+def test_greedy_decoding_through_a_session_equals_generate(engine, text):
+    prompt = prompt_ids(engine, text)
+    with torch.no_grad():
+        generated = engine.model.generate(prompt[None], max_new_tokens=12, do_sample=False,
+                                          eos_token_id=engine.tokenizer.eos_token_id,
+                                          pad_token_id=engine.tokenizer.pad_token_id)
+    assert greedy_with_session(engine, prompt, 12) == generated[0, len(prompt):].tolist()
+
+
+def test_session_verifies_a_draft_and_keeps_only_the_accepted_prefix(engine):
+    """The speculative-decoding pattern: extend by a draft, keep the tokens the target
+    agrees with, truncate the rest, and the cache equals a run over the accepted text."""
+    plan = CapturePlan(layer_ids=(0, 2), hidden_feature="target_hidden", last_hidden=True)
+    ids = conversation_samples(engine, limit=1)[0]["input_ids"]
+    session = engine.session(ids[:12], plan)
+    draft = torch.cat([ids[12:15], (ids[15:18] + 3) % engine.info().vocab_size])
+    verified = session.extend(draft)
+    assert set(verified) == {"logits", "target_hidden", "last_hidden"}
+    assert verified["target_hidden"].shape == (6, 64) and verified["logits"].shape == (6, 384)
+    session.truncate(15)
+    after = session.extend(ids[15:20])
+    reference = engine.session(ids[:20], plan).prefill
+    torch.testing.assert_close(after["logits"], reference["logits"][15:20], atol=1e-5, rtol=0)
+    torch.testing.assert_close(after["target_hidden"], reference["target_hidden"][15:20], atol=1e-5, rtol=0)
+
+
+def test_session_without_a_prompt_starts_empty(engine):
+    session = engine.session(None, CapturePlan(layer_ids=(0,)))
+    assert session.length == 0 and session.prefill is None
+    assert session.extend(torch.tensor([1, 4]))["logits"].shape == (2, 384)
+
+
+# -- toy target as the default -------------------------------------------------------------------
+
+
+def test_engine_without_a_model_serves_the_default_toy_target(default_toy_target, use_toy_cache):
+    engine = HFTargetEngine(HFEngineOptions())
+    assert engine.model_path == default_toy_target
+    assert engine.info().model_id.startswith("specforge/toy-target-default@")
+    train, eval_ = engine.default_data()
+    assert train.name == "train.jsonl" and eval_.name == "eval.jsonl" and train.is_file() and eval_.is_file()
+
+
+def test_default_data_is_none_for_a_model_that_is_not_a_toy_target(tiny_toy_target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(tiny_toy_target).save_pretrained(tmp_path / "plain")
+    AutoTokenizer.from_pretrained(tiny_toy_target).save_pretrained(tmp_path / "plain")
+    engine = make_engine(tmp_path / "plain")
+    assert engine.default_data() is None
+    assert engine.info().model_id == str(tmp_path / "plain")
+
+
+# -- bad input gets a clear error -----------------------------------------------------------------
+
+
+def test_missing_model_folder_names_the_folder(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(TargetModelNotFoundError, match=f"{missing} does not exist"):
+        make_engine(missing)
+
+
+def test_hub_id_without_network_says_to_pass_a_local_folder(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TargetModelNotFoundError, match="cannot load the tokenizer of target model "
+                                                       "'specforge-test/no-such-model' \\(.*\\); .*a hub id needs network"):
+        HFTargetEngine(HFEngineOptions(model="specforge-test/no-such-model"))
+
+
+def test_folder_without_config_says_what_a_model_folder_holds(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetModelNotFoundError, match="has no config.json.*save_pretrained"):
+        make_engine(tmp_path / "empty")
+
+
+def test_folder_without_tokenizer_is_a_clear_error(tiny_toy_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_toy_target).save_pretrained(tmp_path / "no-tokenizer")
+    with pytest.raises(TargetModelNotFoundError, match="cannot load the tokenizer"):
+        make_engine(tmp_path / "no-tokenizer")
+
+
+def test_bad_layer_id_names_the_valid_range(engine):
+    sample = conversation_samples(engine, limit=1)
+    with pytest.raises(CapturePlanError, match=r"layer id 4, .* 4 decoder layers: valid layer ids are 0\.\.3"):
+        engine.capture(sample, CapturePlan(layer_ids=(0, 4)))
+    with pytest.raises(CapturePlanError, match=r"layer id -1"):
+        engine.session(sample[0]["input_ids"], CapturePlan(layer_ids=(-1,)))
+
+
+def test_plan_feature_width_that_does_not_match_the_target_is_a_clear_error(engine):
+    plan = CapturePlan(layer_ids=(0, 1), features={"aux_hidden": FeatureSpec((-1, 96), "float32")})
+    with pytest.raises(CapturePlanError, match="width 96, but the target gives 64"):
+        engine.capture(conversation_samples(engine, limit=1), plan)
+
+
+@pytest.mark.parametrize("dtype", ["float8", "int32"])
+def test_bad_dtype_lists_the_choices(tiny_toy_target, dtype):
+    with pytest.raises(OptionError, match=f"target_engine.dtype': expected one of auto, float32, bfloat16, float16; "
+                                          f"got '{dtype}'"):
+        make_engine(tiny_toy_target, dtype=dtype)
+    (spec,) = specforge_target_engines()
+    with pytest.raises(OptionError, match="expected one of auto, float32"):
+        spec.build_options({"dtype": dtype})
+
+
+def test_dtype_option_sets_the_weights_and_features_dtype(tiny_toy_target):
+    engine = make_engine(tiny_toy_target, dtype="bfloat16")
+    assert engine.info().dtype == "bfloat16"
+    result = engine.capture([{"input_ids": torch.tensor([1, 2, 3])}], CapturePlan(layer_ids=(0,), last_hidden=True))
+    assert result[0]["aux_hidden"].dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_cuda_device_without_cuda_says_to_use_cpu(tiny_toy_target):
+    with pytest.raises(TargetEngineError, match="no CUDA device; use --set target_engine.device=cpu"):
+        make_engine(tiny_toy_target, device="cuda")
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([[1, 2], [3, 4]]), r"sample 0: input_ids must be a non-empty 1-D integer tensor, got shape \(2, 2\)"),
+    (torch.tensor([], dtype=torch.long), r"non-empty 1-D integer tensor, got shape \(0,\)"),
+    (torch.tensor([0.5, 1.0]), "dtype float32"),
+    (torch.tensor([1, 384]), r"token id 384 is outside the target's vocabulary 0\.\.383"),
+])
+def test_malformed_input_ids_are_clear_errors(engine, ids, message):
+    with pytest.raises(TargetEngineError, match=message):
+        engine.capture([{"input_ids": ids}], CapturePlan(layer_ids=(0,)))
+
+
+def test_sample_without_input_ids_lists_its_keys(engine):
+    with pytest.raises(TargetEngineError, match="sample 0 has no 'input_ids' \\(it has: tokens\\)"):
+        engine.capture([{"tokens": [1, 2]}], CapturePlan(layer_ids=(0,)))
+
+
+@pytest.mark.parametrize("length", [-1, 9, 2.5])
+def test_truncate_outside_the_cached_length_is_a_clear_error(engine, length):
+    session = engine.session(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), CapturePlan(layer_ids=(0,)))
+    with pytest.raises(TargetEngineError, match=r"length must be an integer in 0\.\.8"):
+        session.truncate(length)
+    assert session.length == 8
+
+
+# -- the hook module stays cheap ------------------------------------------------------------------
+
+
+def test_hook_module_and_toy_package_import_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, specforge_plugin_hf, specforge_plugin_hf.toy; "
+            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_info_extra_is_json_metadata_with_the_fields_drafts_copy(engine):
+    from specforge_core.contracts import check_record
+
+    extra = engine.info().extra
+    check_record(extra, "TargetInfo.extra")
+    assert {"num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_parameters",
+            "max_position_embeddings", "eos_token_id"} <= set(extra)
+
+
+def forward_hooks(model) -> dict[str, int]:
+    # transformers installs its own output-capturing hooks on first use; count them all
+    return {name: len(module._forward_hooks) for name, module in model.named_modules()}
+
+
+def test_capture_leaves_no_hooks_on_the_target_even_when_the_forward_fails(engine):
+    plan = CapturePlan(layer_ids=(0, 3), last_hidden=True)
+    before = forward_hooks(engine.model)
+    engine.capture(conversation_samples(engine, limit=2), plan)
+    assert forward_hooks(engine.model) == before
+
+    def fail(*_args):
+        raise RuntimeError("boom")
+
+    breaker = engine.model.base_model.layers[2].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.capture(conversation_samples(engine, limit=1), plan)
+    finally:
+        breaker.remove()
+    assert forward_hooks(engine.model) == before
+
+
+def test_concurrent_captures_and_sessions_in_threads_do_not_mix_features(engine):
+    """A capture producer thread and a verify session share one model and its hooks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    samples = conversation_samples(engine, limit=6)
+    plan = CapturePlan(layer_ids=(0, 2), last_hidden=True)
+    want = [engine.capture([s], plan)[0] for s in samples]
+
+    def capture(i):
+        return engine.capture([samples[i]], plan)[0]
+
+    def verify(i):
+        return engine.session(samples[i]["input_ids"], plan).prefill
+
+    with ThreadPoolExecutor(3) as pool:
+        captured = list(pool.map(capture, list(range(6)) * 2))
+        verified = list(pool.map(verify, range(6)))
+    for i, got in enumerate(captured):
+        assert torch.equal(got["aux_hidden"], want[i % 6]["aux_hidden"])
+    for i, got in enumerate(verified):
+        torch.testing.assert_close(got["last_hidden"], want[i]["last_hidden"], atol=1e-5, rtol=0)
