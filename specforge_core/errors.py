@@ -74,3 +74,7 @@ class UnknownFeatureError(FeatureStoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class TargetEngineError(SpecforgeError):
+    """A target engine could not load its model, or a request to it is malformed."""

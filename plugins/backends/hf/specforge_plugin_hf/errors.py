@@ -1,10 +1,8 @@
 """Exception types of the ``hf`` target engine and the toy target."""
 
-from specforge_core.errors import SpecforgeError
+from specforge_core.errors import SpecforgeError, TargetEngineError
 
-
-class TargetEngineError(SpecforgeError):
-    """The target model could not be loaded, or a request to it is malformed."""
+__all__ = ["CapturePlanError", "TargetEngineError", "TargetModelNotFoundError", "ToyTargetError"]
 
 
 class TargetModelNotFoundError(TargetEngineError):

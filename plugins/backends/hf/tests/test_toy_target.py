@@ -282,3 +282,23 @@ def test_default_toy_target_meets_its_quality_bar(default_toy_target):
     assert all(ended for _, ended in answers.values()), answers
     shaped = sum(answers[text][0].split()[0] == want.split()[0] for text, want in PROMPTS.items())
     assert shaped >= 5, answers
+
+
+def test_data_preparation_masks_the_toy_template_exactly(tiny_toy_target):
+    """The core's template-agnostic masking, pinned on the toy target's own chat template."""
+    from transformers import AutoTokenizer
+
+    from specforge_core.data.prepare import tokenize_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_toy_target)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count from 1 to 3."},
+                {"role": "assistant", "content": "1, 2, 3."}, {"role": "user", "content": "And to 4?"},
+                {"role": "assistant", "content": "1, 2, 3, 4."}]
+
+    def supervised(last_turn_only):
+        ids, mask = tokenize_messages(tokenizer, messages, max_length=512, last_turn_only=last_turn_only)
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+    assert supervised(False) == "1, 2, 3.<|end|>1, 2, 3, 4.<|end|>"
+    assert supervised(True) == "1, 2, 3, 4.<|end|>"
