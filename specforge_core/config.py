@@ -101,6 +101,9 @@ class RunPlan:
     output: str
     run_id: str
     features: str | None = None
+    #: ``section.key`` of every option the user set (config file or --set), so suggested
+    #: defaults (e.g. from the toy target) never override a choice.
+    explicit: frozenset[str] = frozenset()
 
     def __getitem__(self, kind: str) -> ResolvedComponent:
         return self.components[kind]
@@ -194,5 +197,16 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
     data = build_options(DataOptions, _section(raw, "data"), section="data")
     run_id = str(raw.get("run_id") or "run")
     output = str(raw.get("output") or os.path.join("runs", run_id))
+    explicit = frozenset(f"{section}.{key}" for section in SECTIONS for key in _section(raw, section))
     return RunPlan(components=components, train=train, data=data, output=output, run_id=run_id,
-                   features=str(features) if features else None)
+                   features=str(features) if features else None, explicit=explicit)
+
+
+def with_suggested_train_options(plan: RunPlan, suggested: Mapping[str, Any]) -> tuple[RunPlan, dict[str, Any]]:
+    """Apply a component's suggested ``train`` defaults to the options the user did not set."""
+    applied = {k: v for k, v in suggested.items() if f"train.{k}" not in plan.explicit}
+    if not applied:
+        return plan, {}
+    merged = {**options_to_dict(plan.train), **applied}
+    train = build_options(TrainOptions, merged, section="train")
+    return attrs.evolve(plan, train=train), applied

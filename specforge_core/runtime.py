@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .config import RunPlan
+from .config import RunPlan, with_suggested_train_options
 from .errors import SpecforgeError
 from .options import options_to_dict
 from .plugins import PluginManager
@@ -68,6 +68,11 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
             window = 4 * train.batch_size * train.accumulation_steps
             source = OnlineSource(plan, strategy, context, build=lambda kind: build_component(plan, kind, context),
                                   window=window)
+        suggest = getattr(getattr(source, "engine", None), "suggested_train_options", None)
+        applied: dict[str, Any] = {}
+        if suggest is not None:
+            plan, applied = with_suggested_train_options(plan, suggest())
+            train = plan.train
         torch.manual_seed(train.seed)
         model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
         loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
@@ -82,7 +87,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         evaluator = Evaluator(strategy, make_eval, info) if make_eval else None
         spec = plan["strategy"].spec
         summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
-                         "topology": "offline" if plan.features else "online-colocated"}
+                         "topology": "offline" if plan.features else "online-colocated",
+                         "train_options_suggested_by_engine": applied}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
                           contract=run_contract(plan, info.world_size, total_steps, source.fingerprint),

@@ -108,6 +108,9 @@ def test_online_colocated_run_captures_while_training(site, tiny, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["topology"] == "online-colocated"
     assert summary["steps"] == 6
+    # the toy target suggests a warmup; the lr the user set is kept
+    assert summary["train_options_suggested_by_engine"] == {"warmup_steps": 50}
+    assert summary["config"]["train"]["lr"] == 0.01
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert "eval/acc" in summary["final_eval"]
