@@ -10,7 +10,6 @@ This is where topologies are chosen — never in the training loop:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 

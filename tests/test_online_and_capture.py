@@ -6,13 +6,11 @@ built by the hf plugin.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from sf_helpers import SPECFORGE
+from sf_helpers import run_specforge
 from specforge_core.testing import FakeSite
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,14 +38,7 @@ def site(tmp_path_factory):
 
 
 def specforge(site, *args, ranks=1, env_extra=None, expect=0):
-    env = site.env(SPECFORGE_STRICT_PLUGINS="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
-    cmd = [SPECFORGE, *args] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-        "-m", "specforge_core.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if expect is not None:
-        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return proc
+    return run_specforge(*args, env=site.env(**(env_extra or {})), ranks=ranks, expect=expect)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,10 @@ the export.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from sf_helpers import SPECFORGE
+from sf_helpers import run_specforge
 
 SMALL = {
     "eagle3": ["--set", "strategy.ttt_length=3"],
@@ -40,16 +38,7 @@ def tiny(tmp_path_factory):
 
 
 def specforge(*args, ranks=1, expect=0):
-    import os
-
-    env = dict(os.environ, SPECFORGE_STRICT_PLUGINS="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [SPECFORGE, *args] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-        "-m", "specforge_core.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if expect is not None:
-        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return proc
+    return run_specforge(*args, ranks=ranks, expect=expect)
 
 
 def run_args(strategy, tiny, out, *extra, steps=6):

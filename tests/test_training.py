@@ -5,9 +5,6 @@ gloo. The "linear" strategy comes from a fake installed distribution (tests/fixt
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.linear_plugin import make_features
-from sf_helpers import SPECFORGE
+from sf_helpers import run_specforge
 from specforge_core.testing import FakeSite
 
 PLUGIN_SOURCE = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
@@ -36,16 +33,7 @@ def features(tmp_path_factory):
 
 
 def specforge(site, *args, ranks=1, env_extra=None, expect=0):
-    env = site.env(SPECFORGE_STRICT_PLUGINS="1", OMP_NUM_THREADS="1", **(env_extra or {}))
-    if ranks == 1:
-        cmd = [SPECFORGE, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "specforge_core.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if expect is not None:
-        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return proc
+    return run_specforge(*args, env=site.env(**(env_extra or {})), ranks=ranks, expect=expect, timeout=300)
 
 
 def train_args(features, out, *extra, steps=8, batch=2):

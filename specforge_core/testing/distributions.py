@@ -45,7 +45,7 @@ class FakeSite:
             self.modules.add(parts[0])
         dist_dir = self.path / f"{re.sub(r'[-_.]+', '_', name)}-{version}.dist-info"
         dist_dir.mkdir(parents=True, exist_ok=True)
-        metadata = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+        metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
         metadata += [f"Requires-Dist: {req}" for req in requires or []]
         (dist_dir / "METADATA").write_text("\n".join(metadata) + "\n", encoding="utf-8")
         lines = ["[specforge]"] + [f"{ep} = {target}" for ep, target in (entry_points or {}).items()]

@@ -22,21 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specforge_core.nn import RMSNorm, SwiGLU
+
 from .config import DFlashConfig
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, the statistic in float32 (as Qwen3 does)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,17 +86,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, queries, -1))
 
 
-class DFlashMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+class DFlashMLP(SwiGLU):
+    """SwiGLU MLP of the draft (shared layer of specforge_core.nn)."""
 
     def __init__(self, config: DFlashConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class DFlashDecoderLayer(nn.Module):

@@ -5,7 +5,6 @@ import random
 import pytest
 import torch
 
-from specforge_core.protocols import DataStats
 from specforge_core.speculative import greedy_decode
 from specforge_plugin_dflash.speculate import draft_hidden
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specforge_core.nn import RMSNorm, SwiGLU
+
 
 @attrs.frozen(kw_only=True)
 class Eagle3Config:
@@ -61,21 +63,6 @@ def shift_left(x: torch.Tensor, n: int = 1) -> torch.Tensor:
     if n < x.shape[1]:
         out[:, : x.shape[1] - n] = x[:, n:]
     return out
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in float32."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -200,17 +187,11 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-class Eagle3MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+class Eagle3MLP(SwiGLU):
+    """SwiGLU MLP of the draft (shared layer of specforge_core.nn)."""
 
     def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class Eagle3DecoderLayer(nn.Module):
