@@ -16,4 +16,13 @@ for project in plugins/*/pyproject.toml plugins/backends/*/pyproject.toml; do
     [ -e "$project" ] && args+=(-e "$(dirname "$project")")
 done
 "$PY" -m pip install --quiet -c constraints.txt "${args[@]}"
+# The Mooncake transfer engine's CPU build needs Debian's libibverbs1 at run time (its
+# tests start a real mooncake_master on loopback); install it only when that plugin exists.
+if [ -e plugins/backends/mooncake/pyproject.toml ] && ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq libibverbs1
+    else
+        echo "warning: libibverbs1 is missing; install it (apt-get install libibverbs1) for the Mooncake plugin" >&2
+    fi
+fi
 echo "installed into $VENV: ${args[*]}"

@@ -81,11 +81,6 @@ def supervised_token_counts(pairs: Iterable[tuple[Any, Any]], vocab_size: int) -
     return counts
 
 
-def minimum_bytes(ref: SampleRef) -> int:
-    """Bytes of the sample's tensors with no padding and no container: the storage floor."""
-    return ref.nbytes
-
-
 def _store_bytes(path: Any) -> int:
     from pathlib import Path
 
@@ -129,6 +124,7 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     existing = {ref.sample_id: ref for ref in store.scan()}
     train_path, eval_path = data_paths(plan, engine)
     counts: dict[str, int] = {}
+    by_split: dict[str, list[SampleRef]] = {}
     reports: dict[str, Any] = {}
     tokens = minimum = 0
     for split, path in (("train", train_path), ("eval", eval_path)):
@@ -144,15 +140,15 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
                                       strategy=name, skip=set(existing), progress=progress))
         refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
         counts[split] = len(refs)
+        by_split[split] = refs
         reports[split] = {"new": len(fresh), "reused": len(refs) - len(fresh), "summary": report.summary(),
                           "skipped": dict(report.skipped)}
         tokens += sum(r.num_tokens for r in refs)
-        minimum += sum(minimum_bytes(r) for r in refs)
+        minimum += sum(r.nbytes for r in refs)  # the tensors' bytes: no padding, no container
     stored = _store_bytes(root / STORE_DIR)
-    train_refs = [r for r in store.scan() if r.meta.get("split") == "train"]
     if {"input_ids", "loss_mask"} <= set(capture_plan.features):
         pairs = ((f["input_ids"], f["loss_mask"]) for f in
-                 (store.get(r, ["input_ids", "loss_mask"]) for r in train_refs))
+                 (store.get(r, ["input_ids", "loss_mask"]) for r in by_split.get("train", [])))
         save_token_counts(root, supervised_token_counts(pairs, target.vocab_size))
     result = {
         "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,

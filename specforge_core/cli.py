@@ -129,7 +129,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
 
         specforge run --strategy eagle3 --set train.max_steps=200 --output out/
     """
-    from .config import apply_sets, load_config_file, resolve_plan
+    from .config import apply_sets, load_config_file, resolve_plan, set_option
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -137,10 +137,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
                  "control_plane": control_plane}
         for kind, name in flags.items():
             if name:
-                body = raw.get(kind)
-                body = {"name": body} if isinstance(body, str) else dict(body or {})
-                body["name"] = name
-                raw[kind] = body
+                set_option(raw, kind, "name", name)
         if output:
             raw["output"] = output
         if run_id:
@@ -191,25 +188,17 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     unpadded minimum.
     """
     from .capture import run_capture
-    from .config import apply_sets, load_config_file, resolve_plan
+    from .config import apply_sets, load_config_file, resolve_plan, set_option
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
-        for kind, name in (("strategy", strategy), ("target_engine", target_engine)):
-            if name:
-                body = raw.get(kind)
-                body = {"name": body} if isinstance(body, str) else dict(body or {})
-                body["name"] = name
-                raw[kind] = body
         raw["output"] = output
         raw = apply_sets(raw, assignments)
-        for section, key, value in (("target_engine", "model", target_model), ("data", "path", data),
+        for section, key, value in (("strategy", "name", strategy), ("target_engine", "name", target_engine),
+                                    ("target_engine", "model", target_model), ("data", "path", data),
                                     ("data", "eval_path", eval_data)):
             if value:
-                body = raw.get(section)
-                body = {"name": body} if isinstance(body, str) else dict(body or {})
-                body[key] = value
-                raw[section] = body
+                set_option(raw, section, key, value)
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:

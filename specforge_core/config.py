@@ -154,6 +154,13 @@ def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
     return dict(value)
 
 
+def set_option(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """Set ``section.key`` in a raw config in place (a bare component name becomes ``{name: ...}``)."""
+    body = _section(raw, section)
+    body[key] = value
+    raw[section] = body
+
+
 def apply_sets(raw: dict[str, Any], assignments: Sequence[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` assignments to a raw config mapping (returns a copy)."""
     raw = copy.deepcopy(raw)
@@ -165,9 +172,7 @@ def apply_sets(raw: dict[str, Any], assignments: Sequence[str]) -> dict[str, Any
                               f"sections: {', '.join(SECTIONS)}")
         if section not in SECTIONS:
             raise OptionError(f"--set {item!r}: unknown section '{section}'; sections: {', '.join(SECTIONS)}")
-        body = _section(raw, section)
-        body[field] = parse_set_value(value)
-        raw[section] = body
+        set_option(raw, section, field, parse_set_value(value))
     return raw
 
 

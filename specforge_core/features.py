@@ -122,9 +122,12 @@ class FeatureSet:
 
         return DiskFeatureStore(_store_options(self.path / STORE_DIR), context)
 
-    def refs(self, store: Any, split: str) -> list[SampleRef]:
-        """Refs of one split, in a stable order (sorted by sample id)."""
-        return sorted((r for r in store.scan() if r.meta.get("split", "train") == split), key=lambda r: r.sample_id)
+    def refs_by_split(self, store: Any) -> dict[str, list[SampleRef]]:
+        """Refs per split (one directory scan), each in a stable order (sorted by sample id)."""
+        splits: dict[str, list[SampleRef]] = {"train": [], "eval": []}
+        for ref in sorted(store.scan(), key=lambda r: r.sample_id):
+            splits.setdefault(ref.meta.get("split", "train"), []).append(ref)
+        return splits
 
     def check_plan(self, plan: CapturePlan, strategy: str) -> None:
         """Fail unless the stored features provide what the strategy's capture plan needs."""

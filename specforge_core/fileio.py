@@ -8,7 +8,10 @@ from typing import Callable
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename or create inside ``path`` durable (POSIX needs the directory synced)."""
+    """Make a rename or create inside ``path`` durable (POSIX needs the directory synced).
+
+    Opens read-only and fsyncs, so it also flushes a regular file given by path.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -37,8 +37,8 @@ class OfflineSource:
         self.target = self.features.target
         self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
         self.store = self.features.open_store(context)
-        self.refs = self.features.refs(self.store, "train")
-        self.eval_refs = self.features.refs(self.store, "eval")
+        splits = self.features.refs_by_split(self.store)
+        self.refs, self.eval_refs = splits["train"], splits["eval"]
         if not self.refs:
             raise SpecforgeError(f"{plan.features} holds no training samples")
         self.fingerprint = self.features.fingerprint

@@ -21,7 +21,7 @@ class _InProcessControlPlane:
     (``idle_timeout_s``, ``poll_interval_s``, ``low_watermark``) go to the channel.
     """
 
-    def __init__(self, metadata: Any, options: Any, context: Any = None, **channel_options: Any) -> None:
+    def __init__(self, metadata: Any, options: Any, **channel_options: Any) -> None:
         self.metadata = metadata
         self.channel = QueueChannel(high_watermark=options.max_queue or None, **channel_options)
 
@@ -38,7 +38,7 @@ class LocalControlPlane(_InProcessControlPlane):
     """
 
     def __init__(self, options: Any, context: Any = None, **channel_options: Any) -> None:
-        super().__init__(MemoryMetadataStore(), options, context, **channel_options)
+        super().__init__(MemoryMetadataStore(), options, **channel_options)
 
 
 class NoopControlPlane(_InProcessControlPlane):
@@ -48,4 +48,4 @@ class NoopControlPlane(_InProcessControlPlane):
     """
 
     def __init__(self, options: Any, context: Any = None, **channel_options: Any) -> None:
-        super().__init__(NoopMetadataStore(), options, context, **channel_options)
+        super().__init__(NoopMetadataStore(), options, **channel_options)

@@ -60,6 +60,7 @@ class SqliteMetadataStore:
     def __init__(self, path: str, *, busy_timeout_s: float = 30.0) -> None:
         self.path = os.path.abspath(path)
         self._lock = threading.Lock()  # one connection, shared by the producer and trainer threads
+        self._db: sqlite3.Connection | None = None
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a batch is exactly one transaction.
             self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
@@ -68,6 +69,8 @@ class SqliteMetadataStore:
             mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             self._db.execute("PRAGMA synchronous = FULL")
         except sqlite3.Error as exc:
+            if self._db is not None:
+                self._db.close()
             raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that the "
                                     "directory exists, is writable, and is on a local filesystem.") from None
         if mode.lower() != "wal":
@@ -184,9 +187,6 @@ class SqliteMetadataStore:
                 self._db = None
 
 
-_CHANNEL_ROLES = {"producer": "producer", "consumer": "consumer"}  # colocated/offline: "both"
-
-
 class SqliteControlPlane:
     """Durable control plane for disaggregated and restartable runs.
 
@@ -210,7 +210,7 @@ class SqliteControlPlane:
                                     "(--set control_plane.path=DIR) or give the run an output directory")
         role = getattr(context, "role", "colocated")
         rank, world_size = getattr(context, "rank", 0), getattr(context, "world_size", 1)
-        channel_role = _CHANNEL_ROLES.get(role, "both")
+        channel_role = role if role in ("producer", "consumer") else "both"  # colocated/offline: both
         channel_dir = directory if channel_role != "both" or world_size == 1 else os.path.join(directory, f"rank{rank}")
         os.makedirs(directory, exist_ok=True)
         self.path = directory

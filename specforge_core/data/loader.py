@@ -154,7 +154,7 @@ class FeatureDataLoader:
     # ------------------------------------------------------------ building
     def _build(self, refs: list[SampleRef]) -> TrainBatch:
         start = time.perf_counter()
-        samples = [self.store.get(ref, self.keys) if self.keys is not None else self.store.get(ref) for ref in refs]
+        samples = [self.store.get(ref, self.keys) for ref in refs]
         middle = time.perf_counter()
         ids = [ref.sample_id for ref in refs]
         batch = self.collate(samples, ids)

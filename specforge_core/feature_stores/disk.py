@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..contracts import SampleRef
+from ..fileio import fsync_dir
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
 from .base import BaseFeatureStore, stale_error
 
@@ -100,9 +101,7 @@ class DiskFeatureStore(BaseFeatureStore):
         self.root = os.path.abspath(root)
         self.uri = "disk://" + self.root
         self.fsync = options.fsync
-        #: Check each tensor's crc32 on get. An option field once the lead decides on one;
-        #: until then an options object may carry ``verify_checksums`` or a caller sets this.
-        self.verify_checksums = bool(getattr(options, "verify_checksums", True))
+        self.verify_checksums = options.verify_checksums  # crc32 of each tensor on every get
         _attach(self.root, options.token, fsync=self.fsync)
 
     # -- listing --------------------------------------------------------------------------
@@ -181,7 +180,7 @@ class DiskFeatureStore(BaseFeatureStore):
                 ref = attrs.evolve(draft, generation=generation)
                 save_file(tensors, tmp, metadata={_REF_KEY: ref.to_json(), _CRC_KEY: crcs})
                 if self.fsync:
-                    _fsync(tmp)
+                    fsync_dir(tmp)  # an fsync of the path; works for files too
                 if _publish(tmp, self._file(draft.sample_id, generation)):
                     break
                 # another writer published this generation first: write again under the next one
@@ -196,7 +195,7 @@ class DiskFeatureStore(BaseFeatureStore):
             if old < generation:
                 _remove(path)
         if self.fsync:
-            _fsync(shard, directory=True)
+            fsync_dir(shard)
         return ref
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
@@ -275,8 +274,8 @@ class DiskFeatureStore(BaseFeatureStore):
             return
         os.makedirs(shard, exist_ok=True)
         if self.fsync:  # the new directories' own entries must survive a crash too
-            _fsync(os.path.dirname(shard), directory=True)
-            _fsync(self.root, directory=True)
+            fsync_dir(os.path.dirname(shard))
+            fsync_dir(self.root)
 
 
 # -- the directory's manifest ---------------------------------------------------------------
@@ -303,12 +302,12 @@ def _attach(root: str, token: str | None, *, fsync: bool) -> None:
             with open(tmp, "w", encoding="utf-8") as fh:
                 json.dump(body, fh)
             if fsync:
-                _fsync(tmp)
+                fsync_dir(tmp)  # an fsync of the path; works for files too
             _publish(tmp, manifest)  # False: another process created the store first; check theirs below
         finally:
             _remove(tmp)
         if fsync:
-            _fsync(root, directory=True)
+            fsync_dir(root)
     _check_manifest(root, manifest, token)
 
 
@@ -342,9 +341,6 @@ def _check_manifest(root: str, manifest: str, token: str | None) -> None:
             f"the token does not match the one disk store {root} was created with; check that this job should "
             "use this directory (feature_store.path) and pass that store's token"
         )
-
-
-# -- small file-system helpers ------------------------------------------------------------
 
 
 # -- crc32 of a tensor, on several cores --------------------------------------------------
@@ -471,14 +467,6 @@ def _remove(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _fsync(path: str, *, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _subdirs(path: str) -> list[os.DirEntry]:

@@ -169,7 +169,8 @@ class CheckpointManager:
         barrier(self.info)
         return final
 
-    def _pointer(self, which: str) -> str | None:
+    def pointer(self, which: str) -> str | None:
+        """The checkpoint name ``latest`` or ``best`` points at, or None."""
         path = self.output_dir / which
         return path.read_text().strip() if path.exists() else None
 
@@ -185,7 +186,7 @@ class CheckpointManager:
         return [path for _step, path in sorted(found)]
 
     def _rotate(self) -> None:
-        keep = {self._pointer("best"), self._pointer("latest")}
+        keep = {self.pointer("best"), self.pointer("latest")}
         existing = self.checkpoints()
         for path in existing[:-self.keep_last] if self.keep_last else existing:
             if path.name not in keep:
@@ -195,7 +196,7 @@ class CheckpointManager:
     def resolve(self, which: str) -> Path:
         """``latest``, ``best`` or a path -> a complete checkpoint directory."""
         if which in ("latest", "best"):
-            name = self._pointer(which)
+            name = self.pointer(which)
             if name is None:
                 raise CheckpointError(f"no '{which}' checkpoint in {self.output_dir}: nothing to resume "
                                       "(run without --resume to start fresh)")

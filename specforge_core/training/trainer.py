@@ -249,8 +249,8 @@ class Trainer:
             "final": {k: v for k, v in self.last_train.items()},
             "final_eval": dict(self.last_eval),
             "best": {"metric": self.best_metric, "mode": self.best_mode, "value": state.best_value,
-                     "step": state.best_step, "checkpoint": self.checkpoints._pointer("best")},
-            "latest_checkpoint": self.checkpoints._pointer("latest"),
+                     "step": state.best_step, "checkpoint": self.checkpoints.pointer("best")},
+            "latest_checkpoint": self.checkpoints.pointer("latest"),
         }
         summary.update(self.summary_extra)
         if self.info.is_main:

@@ -23,6 +23,9 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge_core.dtypes import dtype_name, torch_dtype
+from specforge_core.fileio import atomic_write, atomic_write_text
+
 from .config import DFlashConfig, DFlashConfigError
 from .model import DFlashBackbone
 
@@ -37,7 +40,14 @@ class DFlashExportError(DFlashConfigError):
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors an export holds: every parameter except frozen ones (the target's), plus persistent buffers."""
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in frozen}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in frozen:
+            continue
+        if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: gather (collective on every rank)
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().cpu().contiguous()
+    return state
 
 
 def dflash_hf_config(model: DFlashBackbone, strategy: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -47,7 +57,7 @@ def dflash_hf_config(model: DFlashBackbone, strategy: str, extra: Mapping[str, A
     fields there); other keys of ``extra`` are set at the top level.
     """
     config = model.config.to_hf_config()
-    config["dtype"] = str(model.dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name(model.dtype)
     config["specforge_strategy"] = strategy
     extra = dict(extra or {})
     config["dflash_config"].update(extra.pop("dflash_config", {}))
@@ -59,8 +69,11 @@ def write_export(model: torch.nn.Module, out_dir: str | os.PathLike[str], config
     """Write ``model``'s trainable tensors and ``config`` into ``out_dir`` (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(trainable_state(model), str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    state = trainable_state(model)
+    # Weights first, config last, each renamed into place: a crash never leaves a directory
+    # that looks like a complete export.
+    atomic_write(out / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_text(out / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -102,7 +115,7 @@ def load_dflash(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.T
                 attention: str = "sdpa") -> DFlashBackbone:
     """A ``dflash`` export back as a :class:`DFlashBackbone` over the target's frozen embedding and lm_head."""
     config, tensors = read_export(path, "dflash")
-    dtype = getattr(torch, config.get("dtype", "float32"))
+    dtype = torch_dtype(config.get("dtype", "float32"))
     model = DFlashBackbone(DFlashConfig.from_hf_config(config), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
                            attention=attention, dtype=dtype)
     return load_state(model, tensors, str(path))

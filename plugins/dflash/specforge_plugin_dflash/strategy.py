@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from specforge_core.dtypes import torch_dtype
 from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo
 
@@ -77,7 +78,7 @@ class DFlashStrategy:
 
     def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DFlashBackbone:
         return DFlashBackbone(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
-                              attention=self.options.attention, dtype=getattr(torch, self.options.dtype),
+                              attention=self.options.attention, dtype=torch_dtype(self.options.dtype),
                               init_std=self.options.init_std)
 
     # ------------------------------------------------------------------ training

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 import torch
 
+from specforge_core.dtypes import torch_dtype
+
 from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.export import dflash_hf_config, load_state, read_export, write_export
 
@@ -53,5 +55,5 @@ def load_domino(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.T
     config, tensors = read_export(path, STRATEGY)
     model = DominoBackbone(DFlashConfig.from_hf_config(config), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
                            head=DominoHeadConfig.from_hf_config(config), attention=attention,
-                           dtype=getattr(torch, config.get("dtype", "float32")))
+                           dtype=torch_dtype(config.get("dtype", "float32")))
     return load_state(model, tensors, str(path))

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from specforge_core.dtypes import torch_dtype
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
 from specforge_core.protocols import DataStats, TargetInfo
 from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy
@@ -46,7 +47,7 @@ class DominoStrategy(DFlashStrategy):
     def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DominoBackbone:
         return DominoBackbone(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
                               head=self.head_config(target), attention=self.options.attention,
-                              dtype=getattr(torch, self.options.dtype), init_std=self.options.init_std)
+                              dtype=torch_dtype(self.options.dtype), init_std=self.options.init_std)
 
     # ------------------------------------------------------------------ training
     def base_loss_weight(self, ctx: StepContext) -> float:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specforge_core.dtypes import torch_dtype
 from specforge_core.nn import RMSNorm, SwiGLU
 
 
@@ -247,7 +248,7 @@ class Eagle3Draft(nn.Module):
         for module in self.modules():  # Llama's initialisation
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
-        dtype = getattr(torch, config.dtype)
+        dtype = torch_dtype(config.dtype)
         for module in (self.fc, self.midlayer, self.norm, self.lm_head):
             module.to(dtype)
 
