@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import sqlite3
@@ -140,6 +141,51 @@ def test_two_sqlite_handles_interleave_commits_and_acks(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def _open_after_barrier(path, barrier, results):
+    barrier.wait()
+    try:
+        SqliteMetadataStore(path, busy_timeout_s=10).close()
+        results.put("ok")
+    except Exception as exc:  # reported to the parent, which asserts on it
+        results.put(repr(exc))
+
+
+def test_processes_opening_one_fresh_database_at_once_all_succeed(tmp_path):
+    # Creating a database and switching it to WAL races between processes; SQLite reports
+    # that as "locked" without waiting, so the open must retry (a producer and a consumer
+    # that start together hit this).
+    ctx = multiprocessing.get_context("fork")
+    outcomes = []
+    for round_ in range(25):
+        path = str(tmp_path / f"m{round_}.sqlite")
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        workers = [ctx.Process(target=_open_after_barrier, args=(path, barrier, results)) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        outcomes += [results.get(timeout=60) for _ in workers]
+        for worker in workers:
+            worker.join(timeout=60)
+    assert outcomes == ["ok"] * 100
+
+
+def test_a_database_held_past_the_busy_timeout_is_a_clear_error_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "m.sqlite"
+    store = SqliteMetadataStore(str(path))
+    store.commit(sample_refs(3))
+    store.close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(ControlPlaneError, match=r"m\.sqlite: database is locked.*no stuck process holds it"):
+            SqliteMetadataStore(str(path), busy_timeout_s=0.3)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    store = SqliteMetadataStore(str(path))
+    assert store.stats() == {"committed": 3, "acked": 0, "duplicates": 0, "pending": 3}
+    store.close()
 
 
 # ---- the JSONL file channel ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 from ..contracts import SampleRef
@@ -61,39 +62,57 @@ class SqliteMetadataStore:
         self.path = os.path.abspath(path)
         self._lock = threading.Lock()  # one connection, shared by the producer and trainer threads
         self._db: sqlite3.Connection | None = None
-        try:
-            # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a batch is exactly one transaction.
-            self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
-                                       check_same_thread=False)
-            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-            mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            self._db.execute("PRAGMA synchronous = FULL")
-        except sqlite3.Error as exc:
-            if self._db is not None:
-                self._db.close()
-            raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that the "
-                                    "directory exists, is writable, and is on a local filesystem.") from None
-        if mode.lower() != "wal":
-            self._db.close()
-            raise ControlPlaneError(f"{self.path}: SQLite refused journal_mode=WAL (got {mode!r}); put the control "
-                                    "directory on a local filesystem")
-        try:
-            self._create_schema()
-        except BaseException:
-            self.close()
-            raise
+        deadline = time.monotonic() + busy_timeout_s
+        delay = 0.005
+        while True:
+            try:
+                self._db = self._open(busy_timeout_s)
+                return
+            except sqlite3.OperationalError as exc:
+                # Two processes creating the same fresh database race on the switch to WAL
+                # and on WAL recovery; SQLite reports those as "locked" without calling the
+                # busy handler, so the open itself retries until the busy timeout.
+                transient = "locked" in str(exc) or "busy" in str(exc)
+                if not transient or time.monotonic() + delay > deadline:
+                    raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that "
+                                            "the directory exists, is writable, is on a local filesystem, and "
+                                            "that no stuck process holds it.") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            except sqlite3.Error as exc:
+                raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that the "
+                                        "directory exists, is writable, and is on a local filesystem.") from None
 
-    def _create_schema(self) -> None:
-        with self._transaction() as db:
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                raise ControlPlaneError(f"{self.path} has metadata schema v{version}; this specforge reads "
-                                        f"v{SCHEMA_VERSION}. Use the specforge version that wrote it or a fresh "
-                                        "control directory.")
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    def _open(self, busy_timeout_s: float) -> sqlite3.Connection:
+        """Connect, switch to WAL + synchronous=FULL and create the schema (one attempt)."""
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a batch is exactly one transaction.
+        db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise ControlPlaneError(f"{self.path}: SQLite refused journal_mode=WAL (got {mode!r}); put the "
+                                        "control directory on a local filesystem")
+            db.execute("PRAGMA synchronous = FULL")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version not in (0, SCHEMA_VERSION):
+                    raise ControlPlaneError(f"{self.path} has metadata schema v{version}; this specforge reads "
+                                            f"v{SCHEMA_VERSION}. Use the specforge version that wrote it or a "
+                                            "fresh control directory.")
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     # ---- plumbing ----------------------------------------------------------------------
     @contextlib.contextmanager
