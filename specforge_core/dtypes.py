@@ -21,6 +21,17 @@ _DTYPES = {
 }
 
 
+_BY_CODE = {code: name for name, (_size, code) in _DTYPES.items()}
+
+
+def dtype_from_safetensors_code(code: str) -> str:
+    """``'BF16'`` -> ``'bfloat16'``; an unknown code raises :class:`RecordError`."""
+    try:
+        return _BY_CODE[code]
+    except (KeyError, TypeError):
+        raise RecordError(f"unknown safetensors dtype {code!r}; known: {sorted(_BY_CODE)}") from None
+
+
 def dtype_size(name: str) -> int:
     try:
         return _DTYPES[name][0]

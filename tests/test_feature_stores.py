@@ -305,12 +305,17 @@ def _bystander_unharmed(store, bystander) -> None:
     assert_same_tensors(store.get(bystander), sample_tensors())
 
 
-@pytest.mark.parametrize("keep", [0, 7, 100, -1], ids=["empty", "in-length-prefix", "in-header", "one-byte-short"])
-def test_disk_truncated_file_is_corrupt_and_named(damaged, keep):
+@pytest.mark.parametrize(("keep", "why"), [
+    (0, "it is 0 bytes, shorter than a safetensors header"),
+    (7, "it is 7 bytes, shorter than a safetensors header"),
+    (100, r"its header claims \d+ bytes but the file is 100"),
+    (-1, r"its header describes 8192 bytes of tensor data but the file holds 8191 \(truncated"),
+], ids=["empty", "in-length-prefix", "in-header", "one-byte-short"])
+def test_disk_truncated_file_is_corrupt_and_named(damaged, keep, why):
     store, victim, bystander, path = damaged
     data = path.read_bytes()
     path.write_bytes(data[:keep])
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*delete it and capture"):
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ": " + why + r".*delete it and capture"):
         store.get(victim)
     with pytest.raises(CorruptFeatureError, match=re.escape(str(path))):
         store.scan()
@@ -331,9 +336,59 @@ def test_disk_corrupted_header_is_corrupt_and_named(damaged):
     data = bytearray(path.read_bytes())
     data[8:24] = b"\xff" * 16  # the JSON header starts after the 8-byte length
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ".*not a readable safetensors file"):
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ": its header is not JSON"):
         store.get(victim)
     _bystander_unharmed(store, bystander)
+
+
+def _rewrite_header(path, edit) -> None:
+    """Rewrite a sample file's safetensors header through ``edit(header_dict)``, keeping its data."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda h: h["hidden_states"].update(dtype="Q7"), r"its header entry for 'hidden_states' is malformed \(unknown safetensors dtype 'Q7'"),
+    (lambda h: h["hidden_states"].update(shape=[64, -32]), "its header entry for 'hidden_states' is malformed .*non-negative"),
+    (lambda h: h["hidden_states"].pop("data_offsets"), "its header entry for 'hidden_states' is malformed"),
+    (lambda h: h["hidden_states"].update(shape=[64, 16]), r"feature 'hidden_states' spans bytes 0..8192 but float32\[64, 16\] needs 4096"),
+    (lambda h: h["hidden_states"].update(data_offsets=[4, 8196]), "its tensors leave a gap or overlap at byte 4"),
+    (lambda h: h.update(__metadata__={"specforge.ref": 3}), "its __metadata__ is not a map of strings"),
+    (lambda h: h.pop("__metadata__"), "its specforge metadata is missing or malformed"),
+], ids=["dtype", "negative-dim", "no-offsets", "size-vs-shape", "gap", "metadata-type", "no-metadata"])
+def test_disk_malformed_header_entries_are_corrupt_and_named(damaged, edit, why):
+    store, victim, bystander, path = damaged
+    _rewrite_header(path, edit)
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ": " + why):
+        store.get(victim)
+    assert path.exists()
+    _bystander_unharmed(store, bystander)
+
+
+def test_disk_bytes_appended_after_the_tensors_are_corrupt(damaged):
+    store, victim, bystander, path = damaged
+    path.write_bytes(path.read_bytes() + b"\0" * 16)
+    with pytest.raises(CorruptFeatureError, match="describes 8192 bytes of tensor data but the file holds 8208"):
+        store.get(victim)
+    _bystander_unharmed(store, bystander)
+
+
+def test_disk_get_returns_writable_tensors_that_outlive_the_file_and_never_write_to_it(tmp_path):
+    store = disk_store(tmp_path / "store", consume_once=True)
+    ref = store.put("s", sample_tensors())
+    path = sample_file(store, "s")
+    first, second = store.get(ref), store.get(ref)
+    for tensor in first.values():
+        tensor.zero_()  # private copy-on-write pages: the file and other gets keep their bytes
+    assert all(int(t.count_nonzero()) == 0 for t in first.values())
+    assert_same_tensors(second, sample_tensors())
+    store.release(ref)
+    assert not path.exists()
+    assert_same_tensors(second, sample_tensors())  # still readable after the file is gone
 
 
 def test_disk_flipped_data_byte_fails_the_checksum(damaged):
