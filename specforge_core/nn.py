@@ -36,3 +36,24 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (unscaled) rotary tables: ``positions [...]`` -> cos, sin ``[..., head_dim]`` in float32.
+
+    A draft needs only to agree with itself between training and serving, and exports write
+    no ``rope_scaling``, so a target's scaling is not copied.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., head_dim/2]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated by per-position angles (rotate-half convention, as Llama and Qwen3), in
+    float32, back in ``x``'s dtype. ``cos``/``sin`` broadcast against ``x`` (last dim head_dim)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

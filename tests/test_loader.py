@@ -146,5 +146,11 @@ def test_breaking_out_early_stops_the_prefetch_thread(memory):
     loader = FeatureDataLoader(memory, collate, refs=fill(memory, 40), batch_size=1, prefetch=2)
     for _batch in loader:
         break
-    time.sleep(0.3)
-    assert not any(t.name == "specforge-loader" and t.is_alive() for t in threading.enumerate())
+
+    def prefetch_alive() -> bool:
+        return any(t.name == "specforge-loader" and t.is_alive() for t in threading.enumerate())
+
+    deadline = time.monotonic() + 10  # generous: a loaded CI machine may be slow to schedule it
+    while prefetch_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not prefetch_alive()

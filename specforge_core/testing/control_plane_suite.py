@@ -354,10 +354,10 @@ class ControlPlaneConformance:
             plane.close()
 
     def test_heartbeats_keep_an_idle_consumer_waiting(self, tmp_path):
-        plane = self._open(tmp_path, idle_timeout_s=0.3)
+        plane = self._open(tmp_path, idle_timeout_s=0.6)  # six heartbeat intervals: slack for a loaded machine
         try:
             waiting = Background(lambda: plane.channel.poll(1))
-            for _ in range(6):  # 0.6 s of silence but for heartbeats: twice the idle timeout
+            for _ in range(12):  # 1.2 s of silence but for heartbeats: twice the idle timeout
                 time.sleep(0.1)
                 plane.channel.heartbeat()
             refs = sample_refs(1)

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import attrs
 
 from specforge_core.errors import OptionError
+from specforge_core.hfconfig import rope_theta
 
 
 class DFlashConfigError(OptionError):
@@ -79,12 +80,6 @@ def _extra_int(extra: Mapping[str, Any], key: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    """RoPE base from a transformers-style mapping (``rope_theta``, or transformers 5's ``rope_parameters``)."""
-    rope = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-
-
 @attrs.frozen(kw_only=True)
 class DFlashConfig:
     """Dimensions of a DFlash draft and how it plugs into its target.
@@ -145,7 +140,7 @@ class DFlashConfig:
             head_dim=_extra_int(extra, "head_dim", target.hidden_size // heads),
             vocab_size=target.vocab_size,
             rms_norm_eps=float(extra.get("rms_norm_eps") or 1e-6),
-            rope_theta=_rope_theta(extra),
+            rope_theta=rope_theta(extra),
             max_position_embeddings=_extra_int(extra, "max_position_embeddings", 4096),
             block_size=options.block_size,
             mask_token_id=resolve_mask_token_id(options.mask_token_id, target.vocab_size, extra),
@@ -203,7 +198,7 @@ class DFlashConfig:
                 head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
                 vocab_size=int(config["vocab_size"]),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(config),
+                rope_theta=rope_theta(config),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
                 block_size=int(dflash.get("block_size", config.get("block_size", 16))),
                 mask_token_id=int(dflash["mask_token_id"]),

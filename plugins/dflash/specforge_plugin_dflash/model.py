@@ -22,24 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge_core.nn import RMSNorm, SwiGLU
+from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 from .config import DFlashConfig
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables for ``positions [B, T]``: cos and sin ``[B, T, 1, head_dim]`` in float32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
-    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, T, heads, head_dim]`` (rotate-half convention, as Qwen3/Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -172,8 +157,8 @@ class DFlashBackbone(nn.Module):
         if context_positions is None:
             context_positions = torch.arange(ctx.shape[1], device=ctx.device).expand(ctx.shape[0], -1)
         d, theta = self.config.head_dim, self.config.rope_theta
-        rope_q = rope_cos_sin(block_positions, d, theta)
-        rope_k = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), d, theta)
+        rope_q = [t[:, :, None] for t in rope_cos_sin(block_positions, d, theta)]  # [B, T, 1, d]: broadcast over heads
+        rope_k = [t[:, :, None] for t in rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), d, theta)]
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, attention_mask, self.attention)
         return self.norm(x)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from specforge_core.dtypes import dtype_name
 from specforge_core.errors import SpecforgeError
 from specforge_core.fileio import atomic_write, atomic_write_text
+from specforge_core.hfconfig import rope_theta
 from specforge_core.protocols import TargetInfo
 
 from .model import Eagle3Config, Eagle3Draft
@@ -106,7 +107,6 @@ def config_from_hf(data: Mapping[str, Any], target: TargetInfo) -> Eagle3Config:
         raise Eagle3ExportError(f"the draft has {data['num_hidden_layers']} layers; the eagle3 strategy builds one")
     hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
     aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    rope = data.get("rope_parameters") or {}
     config = Eagle3Config(
         hidden_size=hidden,
         target_hidden_size=int(data.get("target_hidden_size") or hidden),
@@ -115,7 +115,7 @@ def config_from_hf(data: Mapping[str, Any], target: TargetInfo) -> Eagle3Config:
         num_key_value_heads=int(data.get("num_key_value_heads") or heads),
         head_dim=int(data.get("head_dim") or hidden // heads),
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(data.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=rope_theta(data),
         max_position_embeddings=int(data.get("max_position_embeddings") or 4096),
         vocab_size=int(data["vocab_size"]),
         draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import RMSNorm, SwiGLU
+from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 
 @attrs.frozen(kw_only=True)
@@ -64,30 +64,6 @@ def shift_left(x: torch.Tensor, n: int = 1) -> torch.Tensor:
     if n < x.shape[1]:
         out[:, : x.shape[1] - n] = x[:, n:]
     return out
-
-
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE. The draft needs only to agree with itself between training and
-    serving, and the export writes ``rope_scaling: null``, so the target's scaling is not copied."""
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [S] -> cos, sin [S, d] (float32)."""
-        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq  # [S, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, n, S, d] rotated by the per-position angles (half-split convention, as Llama)."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -241,7 +217,6 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(v, dtype=torch.bool) if config.draft_vocab_size == v
                              else torch.zeros(v, dtype=torch.bool))
@@ -253,6 +228,10 @@ class Eagle3Draft(nn.Module):
             module.to(dtype)
 
     # ------------------------------------------------------------------ pieces
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [S] -> cos, sin [S, head_dim] (float32) on the draft's device."""
+        return rope_cos_sin(positions.to(self.fc.weight.device), self.config.head_dim, self.config.rope_theta)
+
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary (see :func:`specforge_plugin_eagle3.vocab.build_vocab_mapping`)."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -294,7 +273,7 @@ class Eagle3Draft(nn.Module):
         kv = DraftKV()
         ids, out = input_ids, []
         for k in range(ttt_length):
-            cos, sin = self.rotary(positions + k)  # RoPE positions +k at step k
+            cos, sin = self.rope(positions + k)  # RoPE positions +k at step k
             hidden = self.midlayer(self.embed(ids), hidden, cos, sin, kv, mask0, step0=k == 0)  # h_{k+1}
             out.append(self.logits(hidden))
             ids = shift_left(ids)  # step k+1 at position t consumes token t+2+k; hidden stays in place
@@ -317,7 +296,7 @@ class Eagle3Draft(nn.Module):
         m, start = ids.shape[1], kv.length
         positions = torch.arange(start, start + m, device=device)
         mask0 = (torch.arange(start + m, device=device)[None, :] <= positions[:, None])[None, None]  # [1,1,m,T+m]
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rope(positions)
         hidden = self.fc(aux_hidden.to(device, self.fc.weight.dtype)[None])  # h_0 [1, m, h]
         hidden = self.midlayer(self.embed(ids), hidden, cos, sin, kv, mask0, step0=True)[:, -1:]  # h_1 [1, 1, h]
         last = start + m - 1
@@ -326,7 +305,7 @@ class Eagle3Draft(nn.Module):
             token = self.to_target_ids(self.logits(hidden).argmax(-1))  # [1, 1]
             tokens.append(int(token))
             if k < depth:
-                cos, sin = self.rotary(torch.tensor([last + k], device=device))
+                cos, sin = self.rope(torch.tensor([last + k], device=device))
                 hidden = self.midlayer(self.embed(token), hidden, cos, sin, kv, None, step0=False)
         kv.diag.clear()  # the chain's keys are speculative; the next round starts from step-0 keys
         return tokens

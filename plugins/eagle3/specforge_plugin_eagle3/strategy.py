@@ -14,6 +14,7 @@ import torch
 
 from specforge_core.contracts import FeatureSpec, StepOutput, TrainBatch
 from specforge_core.errors import SpecforgeError
+from specforge_core.hfconfig import rope_theta
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo, VerifySession
 
 from .export import export_draft, load_draft
@@ -59,7 +60,6 @@ class Eagle3Strategy:
         """The draft's shape for ``target``: h = H, heads and norms from ``target.extra``."""
         hidden = target.hidden_size
         heads = int(_extra(target, "num_attention_heads", max(1, hidden // 64)))
-        rope = _extra(target, "rope_parameters", {})
         return Eagle3Config(
             hidden_size=hidden,
             target_hidden_size=hidden,
@@ -68,7 +68,7 @@ class Eagle3Strategy:
             num_key_value_heads=int(_extra(target, "num_key_value_heads", heads)),
             head_dim=int(_extra(target, "head_dim", hidden // heads)),
             rms_norm_eps=float(_extra(target, "rms_norm_eps", 1e-6)),
-            rope_theta=float(_extra(target, "rope_theta", rope.get("rope_theta") or 10000.0)),
+            rope_theta=rope_theta(target.extra),
             max_position_embeddings=int(_extra(target, "max_position_embeddings", 4096)),
             vocab_size=target.vocab_size,
             draft_vocab_size=resolve_draft_vocab_size(self.options, target.vocab_size),

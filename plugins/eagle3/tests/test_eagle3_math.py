@@ -13,7 +13,8 @@ from specforge_core.training.distributed import DistInfo
 from specforge_plugin_eagle3 import Eagle3Options
 from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
-from specforge_plugin_eagle3.model import apply_rope, repeat_kv, shift_left, ttt_attention, ttt_key_mask
+from specforge_core.nn import apply_rope
+from specforge_plugin_eagle3.model import repeat_kv, shift_left, ttt_attention, ttt_key_mask
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
 
@@ -105,7 +106,7 @@ def reference_unroll(model, ids, aux, attention_mask, steps):
     hidden, keys, values, out = model.fc(aux), [], [], []
     for k in range(steps):
         x = torch.cat([layer.input_layernorm(model.embed(ids)), layer.hidden_norm(hidden)], -1)
-        cos, sin = model.rotary(torch.arange(s) + k)
+        cos, sin = model.rope(torch.arange(s) + k)
         q = apply_rope(attn.q_proj(x).view(b, s, attn.num_heads, -1).transpose(1, 2), cos, sin)
         keys.append(apply_rope(attn.k_proj(x).view(b, s, attn.num_kv_heads, -1).transpose(1, 2), cos, sin))
         values.append(attn.v_proj(x).view(b, s, attn.num_kv_heads, -1).transpose(1, 2))
