@@ -48,7 +48,7 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
 def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None) -> dict[str, Any]:
     """Train according to ``plan``; returns the summary (also written to ``summary.json``)."""
     from .sources import OfflineSource, OnlineSource
-    from .training.distributed import check_same_everywhere, init_distributed, shutdown
+    from .training.distributed import barrier, check_same_everywhere, init_distributed, shutdown
     from .training.evaluator import Evaluator
     from .training.trainer import Trainer
 
@@ -106,6 +106,9 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         summary = finalize(plan, strategy, trainer, source, info, context, summary)
         if info.is_main:
             manager.hook.specforge_run_finished(run_id=plan.run_id, output_dir=str(plan.output), summary=summary)
+        # The other ranks wait for rank 0's export and acceptance check, so that no rank tears
+        # the process group down while a peer may still be finishing a collective with it.
+        barrier(info)
         return summary
     finally:
         if source is not None:
