@@ -128,7 +128,7 @@ class DiskFeatureStore(BaseFeatureStore):
             except FileNotFoundError:  # released, aborted or re-put while we listed
                 continue
             with reader:
-                stored, _crcs = self._stored_ref(reader)
+                stored = self._stored_ref(reader)
             refs.append(attrs.evolve(stored, store=self.uri))
         return sorted(refs, key=lambda ref: ref.sample_id)
 
@@ -211,9 +211,19 @@ class DiskFeatureStore(BaseFeatureStore):
                 raise stale_error(ref, max(newer)) from None
             raise self._not_found(ref, f" (no file {path})") from None
         with reader:
-            stored, crcs = self._stored_ref(reader)
-            if stored.sample_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
-                raise _corrupt(path, f"it holds sample {stored.sample_id!r}, not {ref.sample_id!r}")
+            # The file's name already encodes (sample id digest, generation); checking the two
+            # recorded fields against the ref is enough, and cheaper than rebuilding the ref.
+            try:
+                stored = json.loads(reader.metadata[_REF_KEY])
+                stored_id, stored_generation = stored["sample_id"], stored["generation"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
+            if stored_generation != ref.generation:
+                raise _corrupt(path, f"its metadata (sample {stored_id!r}, generation {stored_generation}) does not "
+                                     "match its file name")
+            if stored_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
+                raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
+            crcs = self._recorded_crcs(reader) if self.verify_checksums else {}
             return {name: self._read_tensor(reader, ref, name, crcs) for name in names}
 
     def _release(self, ref: SampleRef) -> bool:
@@ -238,18 +248,27 @@ class DiskFeatureStore(BaseFeatureStore):
 
     # -- reading one file -----------------------------------------------------------------
 
-    def _stored_ref(self, reader: _SampleFile) -> tuple[SampleRef, dict[str, int]]:
-        """The ref and crcs recorded in a file, checked against the file's own name."""
+    def _stored_ref(self, reader: _SampleFile) -> SampleRef:
+        """The ref recorded in a file, checked against the file's own name."""
         path = reader.path
         try:
             stored = SampleRef.from_json(reader.metadata[_REF_KEY])
-            crcs = json.loads(reader.metadata[_CRC_KEY])
         except (KeyError, ValueError, RecordError) as exc:
-            raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc})") from None
-        if not isinstance(crcs, dict) or self._file(stored.sample_id, stored.generation) != path:
+            raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
+        if self._file(stored.sample_id, stored.generation) != path:
             raise _corrupt(path, f"its metadata (sample {stored.sample_id!r}, generation {stored.generation}) "
                                  "does not match its file name")
-        return stored, crcs
+        return stored
+
+    @staticmethod
+    def _recorded_crcs(reader: _SampleFile) -> dict[str, int]:
+        try:
+            crcs = json.loads(reader.metadata[_CRC_KEY])
+        except (KeyError, ValueError) as exc:
+            raise _corrupt(reader.path, f"its specforge metadata is missing or malformed ({exc!r})") from None
+        if not isinstance(crcs, dict):
+            raise _corrupt(reader.path, "its recorded crc32s are not a map")
+        return crcs
 
     def _read_tensor(self, reader: _SampleFile, ref: SampleRef, name: str, crcs: dict[str, int]) -> torch.Tensor:
         path = reader.path
