@@ -79,11 +79,11 @@ class DiskFeatureStore(BaseFeatureStore):
       are never modified in place; truncating one while its tensors are in use would crash
       the reader (SIGBUS), as with any memory map. ``scan`` reads headers only.
     - A file whose header or size is wrong (the header must cover the file's tensor bytes
-      exactly, as safetensors requires), whose tensors differ from the ref's shapes and dtypes, or whose bytes
-      fail their crc32 raises :class:`CorruptFeatureError` naming the file; a short or wrong
-      tensor is never returned. The crc pass reads every byte once more and costs most of a
-      get's time (see ``bench/feature_stores.py``); ``verify_checksums = False`` skips it,
-      keeping the size and shape checks.
+      exactly, as safetensors requires), whose tensors differ from the ref's shapes and
+      dtypes, or whose bytes fail their crc32 raises :class:`CorruptFeatureError` naming
+      the file; a short or wrong tensor is never returned. The crc pass reads every byte
+      once more and costs most of a get's time (see ``bench/feature_stores.py``); it is off
+      by default (``verify_checksums``), the size and shape checks always run.
     - ``release`` deletes the file when ``consume_once``; deletions are not fsynced, since a
       file that a crash brings back costs disk space, never correctness (acks decide what
       was trained).
