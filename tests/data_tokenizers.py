@@ -51,6 +51,27 @@ UNSTABLE_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Qwen3-style reasoning template (our own minimal version): an assistant turn after the last
+# user message is written with its reasoning in a <think> block (empty when it has none);
+# earlier assistant turns are written with the reasoning dropped. Rendering a conversation's
+# first turns is therefore not a prefix of rendering the whole once it has two assistant turns.
+REASONING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set answer = m['content'].split('</think>')[-1].lstrip('\n') -%}"
+    "{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\n')"
+    " if '</think>' in m['content'] else '' -%}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<|im_start|>assistant\n<think>\n' + thought + '\n</think>\n\n' + answer + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\n' + answer + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
 
 def _byte_level_bpe(special_tokens: list[str], *, trim_offsets: bool) -> Tokenizer:
     """Train a tiny byte-level BPE; ``trim_offsets`` as the real model's post-processor has it."""

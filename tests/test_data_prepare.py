@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from data_tokenizers import UNSTABLE_TEMPLATE, chatml_tokenizer, llama3_tokenizer
+from data_tokenizers import REASONING_TEMPLATE, UNSTABLE_TEMPLATE, chatml_tokenizer, llama3_tokenizer
 from specforge_core.data.prepare import (BadRowError, ChatTemplateError, DataError, PrepareReport, iter_samples,
                                          normalize_row, prepare_file, tokenize_messages)
 from specforge_core.errors import SpecforgeError
@@ -104,6 +104,28 @@ def test_the_template_bos_is_written_once_and_not_supervised(llama3):
     bos = llama3.convert_tokens_to_ids("<|begin_of_text|>")
     assert ids[0] == bos and ids.count(bos) == 1
     assert mask[0] == 0
+
+
+def test_a_reasoning_template_supervises_past_turns_as_it_renders_them():
+    # Earlier assistant turns lose their reasoning once a later user message follows; each
+    # turn is supervised exactly as the whole conversation renders it.
+    tok = chatml_tokenizer(REASONING_TEMPLATE)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nok bye\n</think>\n\nhello there"},
+             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"}]
+    text = tok.apply_chat_template(turns, tokenize=False)
+    assert "ok bye" not in text and "hello there<|im_end|>" in text  # the past turn's reasoning is gone
+    ids, mask = tokenize_messages(tok, turns)
+    assert tok.decode(ids) == text
+    assert supervised_segments(tok, ids, mask) == ["hello there<|im_end|>", "<think>\n\n</think>\n\nok<|im_end|>"]
+    ids_last, mask_last = tokenize_messages(tok, turns, last_turn_only=True)
+    assert ids_last == ids and supervised_segments(tok, ids_last, mask_last) == ["<think>\n\n</think>\n\nok<|im_end|>"]
+
+
+def test_a_reasoning_template_keeps_the_final_turns_reasoning_supervised():
+    tok = chatml_tokenizer(REASONING_TEMPLATE)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nok bye\n</think>\n\nhello"}]
+    ids, mask = tokenize_messages(tok, turns)
+    assert supervised_segments(tok, ids, mask) == ["<think>\nok bye\n</think>\n\nhello<|im_end|>"]
 
 
 def test_an_empty_assistant_reply_supervises_only_the_marker(chatml):
