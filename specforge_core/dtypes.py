@@ -21,15 +21,8 @@ _DTYPES = {
 }
 
 
-_BY_CODE = {code: name for name, (_size, code) in _DTYPES.items()}
-
-
-def dtype_from_safetensors_code(code: str) -> str:
-    """``'BF16'`` -> ``'bfloat16'``; an unknown code raises :class:`RecordError`."""
-    try:
-        return _BY_CODE[code]
-    except (KeyError, TypeError):
-        raise RecordError(f"unknown safetensors dtype {code!r}; known: {sorted(_BY_CODE)}") from None
+#: safetensors header code -> (record name, bytes per element), for readers of raw headers
+SAFETENSORS_DTYPES = {code: (name, size) for name, (size, code) in _DTYPES.items()}
 
 
 def dtype_size(name: str) -> int:

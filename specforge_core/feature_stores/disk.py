@@ -23,6 +23,7 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 import mmap
 import os
 import re
@@ -31,14 +32,14 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import attrs
 import torch
 from safetensors.torch import save_file
 
 from ..contracts import SampleRef
-from ..dtypes import dtype_from_safetensors_code, dtype_size, torch_dtype
+from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
 from ..fileio import fsync_dir
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
 from .base import BaseFeatureStore, stale_error
@@ -124,11 +125,13 @@ class DiskFeatureStore(BaseFeatureStore):
         refs = []
         for _generation, path in newest.values():
             try:
-                reader = _SampleFile(path)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:  # released, aborted or re-put while we listed
                 continue
-            with reader:
-                stored = self._stored_ref(reader)
+            try:
+                stored = self._stored_ref(_Header.read(path, fd))
+            finally:
+                os.close(fd)
             refs.append(attrs.evolve(stored, store=self.uri))
         return sorted(refs, key=lambda ref: ref.sample_id)
 
@@ -149,11 +152,13 @@ class DiskFeatureStore(BaseFeatureStore):
     def _locate(self, sample_id: str) -> tuple[str, str]:
         """(shard directory, file-name stem) of a sample."""
         digest = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()
-        return os.path.join(self.root, digest[:2], digest[2:4]), f"{_UNSAFE.sub('_', sample_id)[:40]}.{digest[:32]}"
+        # The slug replaces characters one for one, so cutting first gives the same 40.
+        shard = f"{self.root}{os.sep}{digest[:2]}{os.sep}{digest[2:4]}"
+        return shard, f"{_UNSAFE.sub('_', sample_id[:40])}.{digest[:32]}"
 
     def _file(self, sample_id: str, generation: int) -> str:
         shard, stem = self._locate(sample_id)
-        return os.path.join(shard, f"{stem}.{generation}.safetensors")
+        return f"{shard}{os.sep}{stem}.{generation}.safetensors"
 
     def _generations(self, sample_id: str) -> dict[int, str]:
         """Generation -> path of every published file of one sample, as the directory holds them now."""
@@ -202,19 +207,22 @@ class DiskFeatureStore(BaseFeatureStore):
         return ref
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
+        # Kept to few Python steps on purpose: with the CPU caches flushed by the previous
+        # sample's copy, a get's cost is mostly its interpreter work (bench/feature_stores.py).
         path = self._file(ref.sample_id, ref.generation)
         try:
-            reader = _SampleFile(path)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             newer = [g for g in self._generations(ref.sample_id) if g > ref.generation]
             if newer:
                 raise stale_error(ref, max(newer)) from None
             raise self._not_found(ref, f" (no file {path})") from None
-        with reader:
-            # The file's name already encodes (sample id digest, generation); checking the two
-            # recorded fields against the ref is enough, and cheaper than rebuilding the ref.
+        try:
+            header = _Header.read(path, fd)
+            # The file name encodes (sample id digest, generation); checking the two recorded
+            # fields against the ref is enough, and cheaper than rebuilding the stored ref.
             try:
-                stored = json.loads(reader.metadata[_REF_KEY])
+                stored = json.loads(header.metadata[_REF_KEY])
                 stored_id, stored_generation = stored["sample_id"], stored["generation"]
             except (KeyError, TypeError, ValueError) as exc:
                 raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
@@ -223,8 +231,38 @@ class DiskFeatureStore(BaseFeatureStore):
                                      "match its file name")
             if stored_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
                 raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
-            crcs = self._recorded_crcs(reader) if self.verify_checksums else {}
-            return {name: self._read_tensor(reader, ref, name, crcs) for name in names}
+            entries = []
+            for name in names:
+                entry = header.entries.get(name)
+                if entry is None:
+                    raise _corrupt(path, f"it has no tensor {name!r}, which the ref lists")
+                want = ref.features[name]
+                if entry[1] != want.shape or entry[0] != want.dtype:
+                    raise _corrupt(path, f"feature {name!r} is {entry[0]}{list(entry[1])} but the ref says "
+                                         f"{want.dtype}{list(want.shape)}")
+                entries.append(entry)
+            # A private (copy-on-write) map: nothing is read until touched, writes stay in
+            # this process, and the tensors outlive the file.
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if header.data_bytes else None
+        finally:
+            os.close(fd)
+        tensors = {}
+        for name, (dtype, shape, start, end) in zip(names, entries):
+            torch_type = _torch_dtype(dtype)
+            if end == start:
+                tensor = torch.empty(shape, dtype=torch_type)
+            else:
+                tensor = torch.frombuffer(mapped, dtype=torch_type, count=(end - start) // torch_type.itemsize,
+                                          offset=header.data_start + start).view(shape)
+            tensors[name] = tensor
+        if self.verify_checksums:
+            crcs = _recorded_crcs(header)
+            for name, tensor in tensors.items():
+                actual = _crc32(tensor)
+                if actual != crcs.get(name):
+                    raise _corrupt(path, f"feature {name!r} fails its crc32 check (recorded {crcs.get(name)}, "
+                                         f"read {actual}): its bytes changed after they were written")
+        return tensors
 
     def _release(self, ref: SampleRef) -> bool:
         path = self._file(ref.sample_id, ref.generation)
@@ -248,44 +286,17 @@ class DiskFeatureStore(BaseFeatureStore):
 
     # -- reading one file -----------------------------------------------------------------
 
-    def _stored_ref(self, reader: _SampleFile) -> SampleRef:
+    def _stored_ref(self, header: _Header) -> SampleRef:
         """The ref recorded in a file, checked against the file's own name."""
-        path = reader.path
+        path = header.path
         try:
-            stored = SampleRef.from_json(reader.metadata[_REF_KEY])
+            stored = SampleRef.from_json(header.metadata[_REF_KEY])
         except (KeyError, ValueError, RecordError) as exc:
             raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
         if self._file(stored.sample_id, stored.generation) != path:
             raise _corrupt(path, f"its metadata (sample {stored.sample_id!r}, generation {stored.generation}) "
                                  "does not match its file name")
         return stored
-
-    @staticmethod
-    def _recorded_crcs(reader: _SampleFile) -> dict[str, int]:
-        try:
-            crcs = json.loads(reader.metadata[_CRC_KEY])
-        except (KeyError, ValueError) as exc:
-            raise _corrupt(reader.path, f"its specforge metadata is missing or malformed ({exc!r})") from None
-        if not isinstance(crcs, dict):
-            raise _corrupt(reader.path, "its recorded crc32s are not a map")
-        return crcs
-
-    def _read_tensor(self, reader: _SampleFile, ref: SampleRef, name: str, crcs: dict[str, int]) -> torch.Tensor:
-        path = reader.path
-        if name not in reader.entries:
-            raise _corrupt(path, f"it has no tensor {name!r}, which the ref lists")
-        got_dtype, got_shape, _start, _end = reader.entries[name]
-        want = ref.features[name]
-        if got_shape != want.shape or got_dtype != want.dtype:
-            raise _corrupt(path, f"feature {name!r} is {got_dtype}{list(got_shape)} but the ref says "
-                                 f"{want.dtype}{list(want.shape)}")
-        tensor = reader.read(name)
-        if self.verify_checksums:
-            actual = _crc32(tensor)
-            if actual != crcs.get(name):
-                raise _corrupt(path, f"feature {name!r} fails its crc32 check (recorded {crcs.get(name)}, "
-                                     f"read {actual}): its bytes changed after they were written")
-        return tensor
 
     def _make_shard(self, shard: str) -> None:
         if os.path.isdir(shard):
@@ -443,95 +454,90 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 _HEADER_LIMIT = 100 * 2**20  # the largest header safetensors itself accepts
 
 
-class _SampleFile:
-    """A sample file opened for reading: the safetensors header is parsed and checked at
-    open (a few small reads), tensors are mapped on demand with ``read(name)``. Our own
-    reader rather than ``safetensors.safe_open`` because a get is dominated by fixed costs
-    at small sample sizes and this one does less per file.
+_HEAD_READ = 16 * 1024  # one pread covers the length prefix and a typical header
 
-    The checks are safetensors' own: the header is JSON of ``{name: {dtype, shape,
-    data_offsets}}`` plus ``__metadata__``, each tensor's byte range matches its dtype and
-    shape, and the ranges tile the bytes after the header exactly, so a truncated or padded
-    file is caught before any tensor is read.
+
+class _Header(NamedTuple):
+    """A sample file's safetensors header, read with one or two ``pread`` and checked.
+
+    Our own reader rather than ``safetensors.safe_open``: a get is dominated by fixed costs
+    at small sample sizes and this one does less per file. The checks are safetensors'
+    own: the header is JSON of ``{name: {dtype, shape, data_offsets}}`` plus
+    ``__metadata__``, each tensor's byte range matches its dtype and shape, and the ranges
+    tile the bytes after the header exactly, so a truncated or padded file is caught before
+    any tensor is read.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._map = None
-        self._fh = open(path, "rb", buffering=0)  # FileNotFoundError passes through
-        try:
-            size = os.fstat(self._fh.fileno()).st_size
-            head = self._fh.read(8)
-            if len(head) < 8:
-                raise _corrupt(path, f"it is {size} bytes, shorter than a safetensors header")
-            length = int.from_bytes(head, "little")
-            if length > min(size - 8, _HEADER_LIMIT):
-                raise _corrupt(path, f"its header claims {length} bytes but the file is {size}")
-            self.data_start = 8 + length
-            header = self._read_exactly(length, 8)
-            self.metadata, self.entries = _parse_header(path, header, size - self.data_start)
-        except BaseException:
-            self._fh.close()
-            raise
+    path: str
+    metadata: dict[str, str]
+    entries: dict[str, tuple]  # name -> (dtype, shape, start, end), offsets relative to data_start
+    data_start: int
+    data_bytes: int
 
-    def _read_exactly(self, nbytes: int, offset: int) -> bytes:
-        data = os.pread(self._fh.fileno(), nbytes, offset)
-        if len(data) != nbytes:
-            raise _corrupt(self.path, f"it ended while reading {nbytes} bytes at offset {offset}")
-        return data
+    @classmethod
+    def read(cls, path: str, fd: int) -> _Header:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEAD_READ, 0)
+        if len(head) < 8:
+            raise _corrupt(path, f"it is {size} bytes, shorter than a safetensors header")
+        length = int.from_bytes(head[:8], "little")
+        if length > min(size - 8, _HEADER_LIMIT):
+            raise _corrupt(path, f"its header claims {length} bytes but the file is {size}")
+        if 8 + length > len(head):
+            head += os.pread(fd, 8 + length - len(head), len(head))
+            if len(head) < 8 + length:
+                raise _corrupt(path, f"it ended while reading its {length}-byte header")
+        metadata, entries = _parse_header(path, head[8:8 + length], size - 8 - length)
+        return cls(path, metadata, entries, 8 + length, size - 8 - length)
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, backed by a private (copy-on-write) map of the file: nothing is read
-        until it is touched, writes stay in this process, and it outlives the file."""
-        dtype, shape, start, end = self.entries[name]
-        if end == start:
-            flat = torch.empty(0, dtype=torch.uint8)
-        else:
-            if self._map is None:
-                self._map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
-            flat = torch.frombuffer(self._map, dtype=torch.uint8, count=end - start, offset=self.data_start + start)
-        return flat.view(torch_dtype(dtype)).reshape(shape)
 
-    def close(self) -> None:
-        self._fh.close()
+def _recorded_crcs(header: _Header) -> dict[str, int]:
+    try:
+        crcs = json.loads(header.metadata[_CRC_KEY])
+    except (KeyError, ValueError) as exc:
+        raise _corrupt(header.path, f"its specforge metadata is missing or malformed ({exc!r})") from None
+    if not isinstance(crcs, dict):
+        raise _corrupt(header.path, "its recorded crc32s are not a map")
+    return crcs
 
-    def __enter__(self) -> "_SampleFile":
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+@functools.cache
+def _torch_dtype(name: str) -> torch.dtype:
+    return torch_dtype(name)
 
 
 def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, str], dict[str, tuple]]:
     """``(metadata, {name: (dtype, shape, start, end)})`` from a safetensors header, checked."""
     try:
-        raw = json.loads(header)
-    except ValueError as exc:
+        raw = json.loads(header.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
         raise _corrupt(path, f"its header is not JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise _corrupt(path, "its header is not a JSON object")
     metadata = raw.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    if not isinstance(metadata, dict) or set(map(type, metadata.values())) - {str}:
         raise _corrupt(path, "its __metadata__ is not a map of strings")
     entries = {}
     for name, entry in raw.items():
         try:
-            dtype = dtype_from_safetensors_code(entry["dtype"])
+            code = entry["dtype"]
+            if code not in SAFETENSORS_DTYPES:
+                raise ValueError(f"unknown safetensors dtype {code!r}; known: {sorted(SAFETENSORS_DTYPES)}")
+            dtype, itemsize = SAFETENSORS_DTYPES[code]
             shape = tuple(entry["shape"])
             start, end = entry["data_offsets"]
-            if not all(type(n) is int and n >= 0 for n in (*shape, start, end)):
+            numbers = (*shape, start, end)
+            if set(map(type, numbers)) - {int} or min(numbers) < 0:
                 raise ValueError("shape and offsets must be non-negative integers")
-        except (KeyError, TypeError, ValueError, RecordError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise _corrupt(path, f"its header entry for {name!r} is malformed ({exc})") from None
-        numel = 1
-        for n in shape:
-            numel *= n
-        if end - start != numel * dtype_size(dtype):
+        numel = math.prod(shape)
+        if end - start != numel * itemsize:
             raise _corrupt(path, f"feature {name!r} spans bytes {start}..{end} but {dtype}{list(shape)} needs "
-                                 f"{numel * dtype_size(dtype)}")
+                                 f"{numel * itemsize}")
         entries[name] = (dtype, shape, start, end)
     covered = 0
-    for _dtype, _shape, start, end in sorted(entries.values(), key=lambda e: (e[2], e[3])):
+    for _dtype, _shape, start, end in sorted(entries.values(), key=_offsets):
         if start != covered:
             raise _corrupt(path, f"its tensors leave a gap or overlap at byte {start} of the data")
         covered = end
@@ -539,6 +545,10 @@ def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, 
         raise _corrupt(path, f"its header describes {covered} bytes of tensor data but the file holds {data_bytes} "
                              "(truncated, or extra bytes appended)")
     return metadata, entries
+
+
+def _offsets(entry: tuple) -> tuple[int, int]:
+    return entry[2], entry[3]
 
 
 def _corrupt(path: str, what: str) -> CorruptFeatureError:
