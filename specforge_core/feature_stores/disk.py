@@ -32,7 +32,7 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import attrs
 import torch
@@ -207,8 +207,9 @@ class DiskFeatureStore(BaseFeatureStore):
         return ref
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
-        # Kept to few Python steps on purpose: with the CPU caches flushed by the previous
-        # sample's copy, a get's cost is mostly its interpreter work (bench/feature_stores.py).
+        # Kept to few Python steps and syscalls on purpose: with the CPU caches flushed by the
+        # previous sample's copy, a get's cost is mostly its interpreter work
+        # (bench/feature_stores.py).
         path = self._file(ref.sample_id, ref.generation)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -218,7 +219,14 @@ class DiskFeatureStore(BaseFeatureStore):
                 raise stale_error(ref, max(newer)) from None
             raise self._not_found(ref, f" (no file {path})") from None
         try:
-            header = _Header.read(path, fd)
+            # Map first, then read the header out of the map: no fstat or pread syscalls. A
+            # private (copy-on-write) map: nothing is read until touched, writes stay in this
+            # process, and the tensors outlive the file.
+            try:
+                mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            except ValueError:  # an empty file cannot be mapped
+                raise _corrupt(path, "it is 0 bytes, shorter than a safetensors header") from None
+            header = _Header.parse(path, mapped, len(mapped))
             # The file name encodes (sample id digest, generation); checking the two recorded
             # fields against the ref is enough, and cheaper than rebuilding the stored ref.
             try:
@@ -241,9 +249,6 @@ class DiskFeatureStore(BaseFeatureStore):
                     raise _corrupt(path, f"feature {name!r} is {entry[0]}{list(entry[1])} but the ref says "
                                          f"{want.dtype}{list(want.shape)}")
                 entries.append(entry)
-            # A private (copy-on-write) map: nothing is read until touched, writes stay in
-            # this process, and the tensors outlive the file.
-            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if header.data_bytes else None
         finally:
             os.close(fd)
         tensors = {}
@@ -458,7 +463,8 @@ _HEAD_READ = 16 * 1024  # one pread covers the length prefix and a typical heade
 
 
 class _Header(NamedTuple):
-    """A sample file's safetensors header, read with one or two ``pread`` and checked.
+    """A sample file's safetensors header, checked: ``read`` takes it from an open file
+    with one or two ``pread`` (``scan``), ``parse`` from the file's memory map (``get``).
 
     Our own reader rather than ``safetensors.safe_open``: a get is dominated by fixed costs
     at small sample sizes and this one does less per file. The checks are safetensors'
@@ -476,17 +482,23 @@ class _Header(NamedTuple):
 
     @classmethod
     def read(cls, path: str, fd: int) -> _Header:
+        """The header of the open file ``fd`` (one or two ``pread``)."""
         size = os.fstat(fd).st_size
         head = os.pread(fd, _HEAD_READ, 0)
-        if len(head) < 8:
+        if 8 <= len(head) < 8 + int.from_bytes(head[:8], "little") <= size:
+            head += os.pread(fd, 8 + int.from_bytes(head[:8], "little") - len(head), len(head))
+        return cls.parse(path, head, size)
+
+    @classmethod
+    def parse(cls, path: str, head: Any, size: int) -> _Header:
+        """The header from the first bytes of a ``size``-byte file (``head`` may be the whole file)."""
+        if size < 8 or len(head) < 8:
             raise _corrupt(path, f"it is {size} bytes, shorter than a safetensors header")
         length = int.from_bytes(head[:8], "little")
         if length > min(size - 8, _HEADER_LIMIT):
             raise _corrupt(path, f"its header claims {length} bytes but the file is {size}")
-        if 8 + length > len(head):
-            head += os.pread(fd, 8 + length - len(head), len(head))
-            if len(head) < 8 + length:
-                raise _corrupt(path, f"it ended while reading its {length}-byte header")
+        if len(head) < 8 + length:
+            raise _corrupt(path, f"it ended while reading its {length}-byte header")
         metadata, entries = _parse_header(path, head[8:8 + length], size - 8 - length)
         return cls(path, metadata, entries, 8 + length, size - 8 - length)
 
