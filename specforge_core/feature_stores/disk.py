@@ -252,13 +252,16 @@ class DiskFeatureStore(BaseFeatureStore):
         finally:
             os.close(fd)
         tensors = {}
+        data_start = header.data_start
         for name, (dtype, shape, start, end) in zip(names, entries):
-            torch_type = _torch_dtype(dtype)
+            torch_type, itemsize = _TORCH_TYPES[dtype]
             if end == start:
                 tensor = torch.empty(shape, dtype=torch_type)
             else:
-                tensor = torch.frombuffer(mapped, dtype=torch_type, count=(end - start) // torch_type.itemsize,
-                                          offset=header.data_start + start).view(shape)
+                tensor = torch.frombuffer(mapped, dtype=torch_type, count=(end - start) // itemsize,
+                                          offset=data_start + start)
+                if len(shape) != 1:  # frombuffer gives 1-D already: one dispatch less for ids and masks
+                    tensor = tensor.view(shape)
             tensors[name] = tensor
         if self.verify_checksums:
             crcs = _recorded_crcs(header)
@@ -513,9 +516,8 @@ def _recorded_crcs(header: _Header) -> dict[str, int]:
     return crcs
 
 
-@functools.cache
-def _torch_dtype(name: str) -> torch.dtype:
-    return torch_dtype(name)
+#: record dtype name -> (torch dtype, bytes per element), for every dtype a header may name
+_TORCH_TYPES = {name: (torch_dtype(name), size) for name, size in SAFETENSORS_DTYPES.values()}
 
 
 def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, str], dict[str, tuple]]:
@@ -529,7 +531,7 @@ def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, 
     metadata = raw.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or set(map(type, metadata.values())) - {str}:
         raise _corrupt(path, "its __metadata__ is not a map of strings")
-    entries = {}
+    entries, spans = {}, []
     for name, entry in raw.items():
         try:
             code = entry["dtype"]
@@ -548,8 +550,10 @@ def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, 
             raise _corrupt(path, f"feature {name!r} spans bytes {start}..{end} but {dtype}{list(shape)} needs "
                                  f"{numel * itemsize}")
         entries[name] = (dtype, shape, start, end)
+        spans.append((start, end))
+    spans.sort()
     covered = 0
-    for _dtype, _shape, start, end in sorted(entries.values(), key=_offsets):
+    for start, end in spans:
         if start != covered:
             raise _corrupt(path, f"its tensors leave a gap or overlap at byte {start} of the data")
         covered = end
@@ -557,10 +561,6 @@ def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, 
         raise _corrupt(path, f"its header describes {covered} bytes of tensor data but the file holds {data_bytes} "
                              "(truncated, or extra bytes appended)")
     return metadata, entries
-
-
-def _offsets(entry: tuple) -> tuple[int, int]:
-    return entry[2], entry[3]
 
 
 def _corrupt(path: str, what: str) -> CorruptFeatureError:
