@@ -71,13 +71,6 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, queries, -1))
 
 
-class DFlashMLP(SwiGLU):
-    """SwiGLU MLP of the draft (shared layer of specforge_core.nn)."""
-
-    def __init__(self, config: DFlashConfig) -> None:
-        super().__init__(config.hidden_size, config.intermediate_size)
-
-
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm residual block: attention over [context ; block], then the MLP."""
 
@@ -86,7 +79,7 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DFlashMLP(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -164,13 +164,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-class Eagle3MLP(SwiGLU):
-    """SwiGLU MLP of the draft (shared layer of specforge_core.nn)."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__(config.hidden_size, config.intermediate_size)
-
-
 class Eagle3DecoderLayer(nn.Module):
     """The one decoder layer: attention over [norm(embed) ; norm(hidden)], residual on the hidden."""
 
@@ -181,7 +174,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(h, eps)  # normalises the incoming hidden state
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = Eagle3MLP(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
                 mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
