@@ -29,6 +29,28 @@ class LosslessError(SpecforgeError):
     """Speculative decoding produced different tokens than the target's greedy decode."""
 
 
+def stop_token_ids(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
+    """``eos_token_id`` as a set: a tokenizer or generation config may name none, one, or several."""
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset({eos_token_id})
+    return frozenset(int(i) for i in eos_token_id)
+
+
+def prompt_outputs(session: Any, prompt: torch.Tensor) -> dict[str, Any]:
+    """The target's outputs for ``prompt`` (1-D token ids), for a strategy's ``speculate``: the
+    session's own prefill (engines run the prompt when they open a session, e.g. the hf engine's
+    ``session.prefill``), or an ``extend`` of an empty session."""
+    prefill = getattr(session, "prefill", None)
+    if prefill is not None and session.length == prompt.numel():
+        return prefill
+    if session.length == 0:
+        return session.extend(prompt)
+    raise ValueError(f"speculate needs a session holding exactly the prompt ({prompt.numel()} tokens, with its "
+                     f"outputs in session.prefill) or an empty one; this one holds {session.length} positions")
+
+
 @torch.no_grad()
 def greedy_decode(engine: Any, prompt_ids: list[int], plan: CapturePlan, *, max_new_tokens: int,
                   eos_token_id: int | None) -> list[int]:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from specforge_core.protocols import SpeculationResult
+from specforge_core.speculative import prompt_outputs, stop_token_ids
 
 from .model import DFlashBackbone
 
@@ -47,24 +48,6 @@ def draft_block(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, pos
     return model.logits(draft_hidden(model, ctx, anchor_token, position)[1:]).argmax(-1)
 
 
-def _stop_ids(eos_token_id: int | Iterable[int] | None) -> set[int]:
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(i) for i in eos_token_id}
-
-
-def _prefill(session: Any, prompt: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The prompt's target outputs: the session's own prefill (engines run the prompt when they open
-    a session, e.g. the hf engine's ``session.prefill``), or an ``extend`` of an empty session."""
-    prefill = getattr(session, "prefill", None)
-    if prefill is not None and session.length == prompt.numel():
-        return prefill
-    if session.length == 0:
-        return session.extend(prompt)
-    raise ValueError(f"speculate needs a session holding exactly the prompt ({prompt.numel()} tokens, with its "
-                     f"outputs in session.prefill) or an empty one; this one holds {session.length} positions")
-
-
 @torch.no_grad()
 def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, feature: str, max_new_tokens: int,
                        eos_token_id: int | Iterable[int] | None = None,
@@ -78,10 +61,10 @@ def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, 
     """
     device = model.fc.weight.device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
-    stop = _stop_ids(eos_token_id)
+    stop = stop_token_ids(eos_token_id)
     if max_new_tokens <= 0:
         return SpeculationResult(tokens=[], target_forwards=0, accept_lengths=[])
-    out = _prefill(session, prompt)
+    out = prompt_outputs(session, prompt)
     ctx = model.context(out[feature].to(device)[None])  # [1, P, H]
     tokens = [int(out["logits"][-1].argmax())]
     accept_lengths = [1]

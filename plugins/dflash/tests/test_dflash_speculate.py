@@ -128,3 +128,13 @@ def test_an_empty_session_is_prefilled_by_speculate(engine):
     prompt = prompts(1, seed=4)[0]
     result = strategy.speculate(model, engine.session(None, plan), prompt, max_new_tokens=10, eos_token_id=None)
     assert result.tokens == greedy(engine, plan, prompt, 10)
+
+
+def test_a_session_holding_more_than_the_prompt_is_refused(engine):
+    strategy, model, plan = draft_for(engine)
+    prompt = prompts(1, seed=5)[0]
+    session = engine.session(prompt, plan)
+    session.extend(torch.tensor([1], dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"holding exactly the prompt \({len(prompt)} tokens.*this one holds "
+                                         rf"{len(prompt) + 1} positions"):
+        strategy.speculate(model, session, prompt, max_new_tokens=4, eos_token_id=None)

@@ -14,28 +14,9 @@ from typing import Any, Iterable
 import torch
 
 from specforge_core.protocols import SpeculationResult, VerifySession
+from specforge_core.speculative import prompt_outputs, stop_token_ids
 
 from .model import DraftKV, Eagle3Draft
-
-
-def _eos_ids(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset({eos_token_id})
-    return frozenset(int(i) for i in eos_token_id)
-
-
-def _prefill(session: VerifySession, prompt: list[int]) -> dict[str, Any]:
-    """The prompt's target outputs: the session's own prefill (the hf engine runs the prompt when it
-    opens a session), or an ``extend`` of an empty session."""
-    prefill = getattr(session, "prefill", None)
-    if prefill is not None and session.length == len(prompt):
-        return prefill
-    if session.length != 0:
-        raise ValueError(f"speculate needs a session holding exactly the prompt ({len(prompt)} positions, outputs "
-                         f"in session.prefill) or an empty one; this one holds {session.length} positions")
-    return session.extend(torch.tensor(prompt, dtype=torch.long))
 
 
 @torch.no_grad()
@@ -53,8 +34,8 @@ def speculate(model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, ma
         raise ValueError("speculate needs a non-empty prompt")
     if max_new_tokens <= 0:
         return SpeculationResult(tokens=[], target_forwards=0, accept_lengths=[])
-    eos = _eos_ids(eos_token_id)
-    out = _prefill(session, prompt)
+    eos = stop_token_ids(eos_token_id)
+    out = prompt_outputs(session, torch.tensor(prompt, dtype=torch.long))
     bonus = int(out["logits"][-1].argmax())
     tokens, accept_lengths = [bonus], [1]
     kv = DraftKV()
