@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specforge_core.hfconfig import rope_theta
+from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 
@@ -18,6 +18,14 @@ from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 ])
 def test_rope_theta_reads_both_config_styles(config, theta):
     assert rope_theta(config) == theta
+
+
+def test_config_value_treats_null_as_missing_but_keeps_falsy_values():
+    config = {"head_dim": None, "num_key_value_heads": 0, "rms_norm_eps": 1e-5}
+    assert config_value(config, "head_dim", 64) == 64
+    assert config_value(config, "absent", 7) == 7
+    assert config_value(config, "num_key_value_heads", 8) == 0
+    assert config_value(config, "rms_norm_eps", 1e-6) == 1e-5
 
 
 def test_rope_tables_match_the_closed_form():

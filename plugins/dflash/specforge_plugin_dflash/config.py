@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import attrs
 
 from specforge_core.errors import OptionError
-from specforge_core.hfconfig import rope_theta
+from specforge_core.hfconfig import config_value, rope_theta
 
 
 class DFlashConfigError(OptionError):
@@ -75,11 +75,6 @@ def resolve_mask_token_id(explicit: int | None, vocab_size: int, extra: Mapping[
     return vocab_size - 1
 
 
-def _extra_int(extra: Mapping[str, Any], key: str, default: int) -> int:
-    value = extra.get(key)
-    return default if value is None else int(value)
-
-
 @attrs.frozen(kw_only=True)
 class DFlashConfig:
     """Dimensions of a DFlash draft and how it plugs into its target.
@@ -126,22 +121,22 @@ class DFlashConfig:
         ``target.extra`` (transformers config names), falling back to Qwen3-like ratios.
         """
         extra = target.extra
-        heads = _extra_int(extra, "num_attention_heads", max(1, target.hidden_size // 128))
+        heads = int(config_value(extra, "num_attention_heads", max(1, target.hidden_size // 128)))
         if options.target_layer_ids is None:
             ids = default_target_layer_ids(target.num_layers, options.num_target_layers)
         else:
             ids = check_target_layer_ids(options.target_layer_ids, target.num_layers)
         return cls(
             hidden_size=target.hidden_size,
-            intermediate_size=_extra_int(extra, "intermediate_size", 3 * target.hidden_size),
+            intermediate_size=int(config_value(extra, "intermediate_size", 3 * target.hidden_size)),
             num_layers=options.num_layers if options.num_layers is not None else min(5, target.num_layers),
             num_heads=heads,
-            num_kv_heads=_extra_int(extra, "num_key_value_heads", heads),
-            head_dim=_extra_int(extra, "head_dim", target.hidden_size // heads),
+            num_kv_heads=int(config_value(extra, "num_key_value_heads", heads)),
+            head_dim=int(config_value(extra, "head_dim", target.hidden_size // heads)),
             vocab_size=target.vocab_size,
             rms_norm_eps=float(extra.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta(extra),
-            max_position_embeddings=_extra_int(extra, "max_position_embeddings", 4096),
+            max_position_embeddings=int(config_value(extra, "max_position_embeddings", 4096)),
             block_size=options.block_size,
             mask_token_id=resolve_mask_token_id(options.mask_token_id, target.vocab_size, extra),
             target_layer_ids=ids,

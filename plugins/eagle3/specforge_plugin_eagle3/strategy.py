@@ -14,7 +14,7 @@ import torch
 
 from specforge_core.contracts import FeatureSpec, StepOutput, TrainBatch
 from specforge_core.errors import SpecforgeError
-from specforge_core.hfconfig import rope_theta
+from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo, VerifySession
 
 from .export import export_draft, load_draft
@@ -30,11 +30,6 @@ FEATURES = ("input_ids", "loss_mask", AUX_FEATURE, "last_hidden")
 
 class Eagle3BatchError(SpecforgeError):
     """Stored samples do not match the eagle3 capture plan."""
-
-
-def _extra(target: TargetInfo, key: str, default: Any) -> Any:
-    value = target.extra.get(key)
-    return default if value is None else value
 
 
 class Eagle3Strategy:
@@ -59,17 +54,18 @@ class Eagle3Strategy:
     def draft_config(self, target: TargetInfo) -> Eagle3Config:
         """The draft's shape for ``target``: h = H, heads and norms from ``target.extra``."""
         hidden = target.hidden_size
-        heads = int(_extra(target, "num_attention_heads", max(1, hidden // 64)))
+        heads = int(config_value(target.extra, "num_attention_heads", max(1, hidden // 64)))
         return Eagle3Config(
             hidden_size=hidden,
             target_hidden_size=hidden,
-            intermediate_size=int(self.options.intermediate_size or _extra(target, "intermediate_size", 4 * hidden)),
+            intermediate_size=int(self.options.intermediate_size
+                                  or config_value(target.extra, "intermediate_size", 4 * hidden)),
             num_attention_heads=heads,
-            num_key_value_heads=int(_extra(target, "num_key_value_heads", heads)),
-            head_dim=int(_extra(target, "head_dim", hidden // heads)),
-            rms_norm_eps=float(_extra(target, "rms_norm_eps", 1e-6)),
+            num_key_value_heads=int(config_value(target.extra, "num_key_value_heads", heads)),
+            head_dim=int(config_value(target.extra, "head_dim", hidden // heads)),
+            rms_norm_eps=float(config_value(target.extra, "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta(target.extra),
-            max_position_embeddings=int(_extra(target, "max_position_embeddings", 4096)),
+            max_position_embeddings=int(config_value(target.extra, "max_position_embeddings", 4096)),
             vocab_size=target.vocab_size,
             draft_vocab_size=resolve_draft_vocab_size(self.options, target.vocab_size),
             aux_layer_ids=resolve_aux_layer_ids(self.options, target.num_layers),
@@ -133,10 +129,7 @@ class Eagle3Strategy:
         step_logits = model(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length)
         loss, ratios = ttt_loss(step_logits, p_t, target_ids, position_mask, loss_mask, model.d2t,
                                 self.options.loss_decay)
-        per_batch = {name: num / den if den else float("nan") for name, (num, den) in ratios.items()}
-        return StepOutput(loss=loss, metrics={"tau_sim": tau_sim(per_batch)}, ratio_metrics=ratios)
-
-    tau_sim = staticmethod(tau_sim)
+        return StepOutput(loss=loss, ratio_metrics=ratios)  # tau_sim: derived_metrics, from pooled ratios
 
     def derived_metrics(self, pooled: dict[str, float]) -> dict[str, float]:
         """``tau_sim`` from the pooled ``acc_k`` ratios (a product of ratios is not itself a ratio)."""

@@ -290,7 +290,7 @@ def test_tau_sim_is_the_sum_of_running_products_of_pooled_step_accuracies():
     assert math.isnan(tau_sim({"loss": 1.0}))
 
 
-def test_derived_tau_sim_pools_exactly_while_per_batch_tau_sim_does_not():
+def test_derived_tau_sim_comes_from_the_ratios_pooled_over_batches():
     info, frozen, strategy, model = tiny_draft(ttt_length=3)
     samples, _ = tiny_batch(strategy, info, lengths=(8, 5, 6))
     sums = {}
@@ -306,8 +306,8 @@ def test_derived_tau_sim_pools_exactly_while_per_batch_tau_sim_does_not():
     acc = [pooled[f"acc_{k}"] for k in range(3)]
     expected = acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
     assert strategy.derived_metrics(pooled) == {"tau_sim": pytest.approx(expected)}
-    assert Eagle3Strategy.tau_sim(pooled) == pytest.approx(expected)
-    assert whole.metrics["tau_sim"] == pytest.approx(expected)  # one batch holding everything: the same
+    whole_pooled = {name: num / den for name, (num, den) in whole.ratio_metrics.items()}
+    assert strategy.derived_metrics(whole_pooled) == {"tau_sim": pytest.approx(expected)}  # one batch: the same
 
 
 # ---------------------------------------------------------------- frozen parts

@@ -28,6 +28,7 @@ import torch
 
 from specforge_core.contracts import FeatureSpec
 from specforge_core.dtypes import dtype_name, torch_dtype
+from specforge_core.hfconfig import rope_theta
 from specforge_core.options import build_options, options_to_dict
 from specforge_core.protocols import BuildContext, CapturePlan, TargetInfo
 
@@ -96,7 +97,8 @@ class HFTargetEngine:
             "rope_parameters": getattr(config, "rope_parameters", None),
             "max_position_embeddings": getattr(config, "max_position_embeddings", None),
             "tie_word_embeddings": getattr(self._model.config, "tie_word_embeddings", None),
-            "rope_theta": (getattr(config, "rope_parameters", None) or {}).get("rope_theta"),
+            "rope_theta": rope_theta({"rope_theta": getattr(config, "rope_theta", None),
+                                      "rope_parameters": getattr(config, "rope_parameters", None)}),
             "mask_token_id": getattr(self._tokenizer, "mask_token_id", None),
             "tokenizer_size": len(self._tokenizer),
             "bos_token_id": self._tokenizer.bos_token_id,
