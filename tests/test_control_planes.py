@@ -170,6 +170,21 @@ def test_processes_opening_one_fresh_database_at_once_all_succeed(tmp_path):
     assert outcomes == ["ok"] * 100
 
 
+def test_a_database_in_a_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ControlPlaneError, match=r"cannot open the metadata database .*nowhere/m\.sqlite: unable to "
+                                                r"open database file; check that the directory exists"):
+        SqliteMetadataStore(str(tmp_path / "nowhere" / "m.sqlite"), busy_timeout_s=0.3)
+
+
+def test_a_file_that_is_not_a_database_is_a_clear_error_and_left_alone(tmp_path):
+    path = tmp_path / "m.sqlite"
+    path.write_bytes(b"not a database, just text " * 100)
+    with pytest.raises(ControlPlaneError, match=r"m\.sqlite: file is not a database; check .*a specforge metadata "
+                                                r"database"):
+        SqliteMetadataStore(str(path), busy_timeout_s=0.3)
+    assert path.read_bytes() == b"not a database, just text " * 100
+
+
 def test_a_database_held_past_the_busy_timeout_is_a_clear_error_and_keeps_its_rows(tmp_path):
     path = tmp_path / "m.sqlite"
     store = SqliteMetadataStore(str(path))
@@ -178,7 +193,8 @@ def test_a_database_held_past_the_busy_timeout_is_a_clear_error_and_keeps_its_ro
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        with pytest.raises(ControlPlaneError, match=r"m\.sqlite: database is locked.*no stuck process holds it"):
+        with pytest.raises(ControlPlaneError, match=r"m\.sqlite: database is locked; another process held it past "
+                                                    r"the busy timeout"):
             SqliteMetadataStore(str(path), busy_timeout_s=0.3)
     finally:
         holder.execute("ROLLBACK")

@@ -359,13 +359,27 @@ def _rewrite_header(path, edit) -> None:
     (lambda h: h["hidden_states"].update(data_offsets=[4, 8196]), "its tensors leave a gap or overlap at byte 4"),
     (lambda h: h.update(__metadata__={"specforge.ref": 3}), "its __metadata__ is not a map of strings"),
     (lambda h: h.pop("__metadata__"), "its specforge metadata is missing or malformed"),
-], ids=["dtype", "negative-dim", "no-offsets", "size-vs-shape", "gap", "metadata-type", "no-metadata"])
+    (lambda h: h.update(__metadata__={**h["__metadata__"], "specforge.crc32": "[]"}),
+     "its recorded crc32s are not a map"),
+    (lambda h: h["__metadata__"].pop("specforge.crc32"), r"its specforge metadata is missing or malformed \(KeyError"),
+    (lambda h: h.update(other=h.pop("hidden_states")), "it has no tensor 'hidden_states', which the ref lists"),
+], ids=["dtype", "negative-dim", "no-offsets", "size-vs-shape", "gap", "metadata-type", "no-metadata", "crc-not-map",
+        "no-crc", "missing-tensor"])
 def test_disk_malformed_header_entries_are_corrupt_and_named(damaged, edit, why):
     store, victim, bystander, path = damaged
     _rewrite_header(path, edit)
     with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ": " + why):
         store.get(victim)
     assert path.exists()
+    _bystander_unharmed(store, bystander)
+
+
+def test_disk_header_that_is_not_an_object_is_corrupt(damaged):
+    store, victim, bystander, path = damaged
+    text = b"[1, 2]"
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ": its header is not a JSON object"):
+        store.get(victim)
     _bystander_unharmed(store, bystander)
 
 

@@ -68,20 +68,19 @@ class SqliteMetadataStore:
             try:
                 self._db = self._open(busy_timeout_s)
                 return
-            except sqlite3.OperationalError as exc:
+            except sqlite3.Error as exc:
                 # Two processes creating the same fresh database race on the switch to WAL
                 # and on WAL recovery; SQLite reports those as "locked" without calling the
                 # busy handler, so the open itself retries until the busy timeout.
-                transient = "locked" in str(exc) or "busy" in str(exc)
-                if not transient or time.monotonic() + delay > deadline:
-                    raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that "
-                                            "the directory exists, is writable, is on a local filesystem, and "
-                                            "that no stuck process holds it.") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
-            except sqlite3.Error as exc:
-                raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}. Check that the "
-                                        "directory exists, is writable, and is on a local filesystem.") from None
+                held = isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+                if held and time.monotonic() + delay <= deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.1)
+                    continue
+                hint = ("another process held it past the busy timeout: is a stuck process holding it?" if held
+                        else "check that the directory exists and is writable, that the file is a specforge "
+                             "metadata database, and that it is on a local filesystem")
+                raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}; {hint}") from None
 
     def _open(self, busy_timeout_s: float) -> sqlite3.Connection:
         """Connect, switch to WAL + synchronous=FULL and create the schema (one attempt)."""

@@ -481,7 +481,6 @@ class _Header(NamedTuple):
     metadata: dict[str, str]
     entries: dict[str, tuple]  # name -> (dtype, shape, start, end), offsets relative to data_start
     data_start: int
-    data_bytes: int
 
     @classmethod
     def read(cls, path: str, fd: int) -> _Header:
@@ -503,7 +502,7 @@ class _Header(NamedTuple):
         if len(head) < 8 + length:
             raise _corrupt(path, f"it ended while reading its {length}-byte header")
         metadata, entries = _parse_header(path, head[8:8 + length], size - 8 - length)
-        return cls(path, metadata, entries, 8 + length, size - 8 - length)
+        return cls(path, metadata, entries, 8 + length)
 
 
 def _recorded_crcs(header: _Header) -> dict[str, int]:
