@@ -128,6 +128,17 @@ def test_a_reasoning_template_keeps_the_final_turns_reasoning_supervised():
     assert supervised_segments(tok, ids, mask) == ["<think>\nok bye\n</think>\n\nhello<|im_end|>"]
 
 
+def test_a_template_rewriting_past_turns_without_an_end_marker_is_refused():
+    # Without an end-of-turn marker a rewritten past turn cannot be delimited: refused, not guessed.
+    template = REASONING_TEMPLATE.replace("+ answer + '<|im_end|>", "+ answer + '")
+    assert template != REASONING_TEMPLATE
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(ChatTemplateError, match=r"^the chat template is not prefix-stable: rendering messages\[:2\] "
+                                                r"is not a prefix of rendering the whole conversation"):
+        tokenize_messages(chatml_tokenizer(template), turns)
+
+
 def test_an_empty_assistant_reply_supervises_only_the_marker(chatml):
     ids, mask = tokenize_messages(chatml, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}])
     assert supervised_segments(chatml, ids, mask) == ["<|im_end|>"]
