@@ -12,11 +12,16 @@ For each store and sample size this prints one JSON line:
   plain ``readinto`` of a sample file into a preallocated buffer, over a pool of distinct
   sample files of at least 256 MiB, read round robin (get and raw read on different files
   at each step), as an epoch reads samples: every byte comes from the page cache in DRAM,
-  never from a CPU cache still warm from the previous repeat. ``*_same_file`` is the same
-  comparison re-reading one file into one buffer: at 1 MiB that raw read runs at CPU-cache
-  speed, a limit no read of fresh samples meets. Every read is warm in the page cache
-  (files were just written). Disk lines come with ``verify_checksums`` true and false (the
-  default).
+  never from a CPU cache still warm from the previous repeat. ``get_vs_raw_read`` takes one
+  sample at a time, each get followed by its copy: the least favourable order for the
+  get's fixed cost, since each copy flushes the CPU caches the next get runs from.
+  ``batch_get_vs_raw_read`` reads ``batch`` samples at a time the way the feature loader
+  does (the batch's gets, then the collate's copies) against raw reads of as many files;
+  samples so large that four batches would not fit the pool are read one at a time
+  (``batch`` says how many were used). ``*_same_file`` is the one-sample comparison
+  re-reading one file into one buffer: at 1 MiB that raw read runs at CPU-cache speed, a
+  limit no read of fresh samples meets. Every read is warm in the page cache (files were
+  just written). Disk lines come with ``verify_checksums`` true and false (the default).
 - ``fixed_cost`` lines: the per-sample cost that does not scale with bytes, the get of a
   one-token sample against an open + read + close of its file. At 1 MiB this fixed cost,
   plus mapping the pages, is of the order of the data movement itself, which is why small
@@ -87,7 +92,7 @@ def read_into(path: str, buffer: bytearray) -> None:
             view = view[got:]
 
 
-def measure(store, sample: dict[str, torch.Tensor], repeats: int) -> dict:
+def measure(store, sample: dict[str, torch.Tensor], repeats: int, batch: int) -> dict:
     size = nbytes(sample)
     dest = {name: torch.empty_like(t) for name, t in sample.items()}
     counter = iter(range(10**9))
@@ -114,31 +119,50 @@ def measure(store, sample: dict[str, torch.Tensor], repeats: int) -> dict:
         disk_get_s, raw_s = paired_medians(get, lambda: read_into(path, buffer), repeats)
         raw_gbps, get_gbps = len(buffer) / raw_s / 1e9, size / disk_get_s / 1e9
         result.update(raw_read_gbps_same_file=raw_gbps, get_vs_raw_read_same_file=get_gbps / raw_gbps)
-        result.update(distinct_samples(store, sample, dest, repeats))
+        result.update(distinct_samples(store, sample, repeats, batch))
     return result
 
 
-def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], dest: dict[str, torch.Tensor],
-                     repeats: int) -> dict:
+def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], repeats: int,
+                     batch: int) -> dict:
     """get+copy against a raw read over a pool of distinct sample files, as an epoch reads them.
 
     The pool holds at least ``POOL_BYTES`` (beyond any CPU cache), so neither side re-reads
     bytes that are still cached from its previous repeat; get and raw read take different
-    files of the pool at each step, round robin.
+    files of the pool at each step, round robin. Measured twice: one sample at a time (each
+    get followed by its copy, the least favourable order: the copy flushes the CPU caches
+    the next get's Python code and data ran from), and ``batch`` samples at a time as the
+    feature loader reads them (the batch's gets, then the collate's copies).
     """
-    count = max(4, -(-POOL_BYTES // nbytes(sample)))
+    batch = max(1, min(batch, POOL_BYTES // (4 * nbytes(sample))))  # the pool holds >= 4 batches
+    count = max(4 * batch, -(-POOL_BYTES // nbytes(sample)))
     refs = [store.put(f"pool-{i}", sample) for i in range(count)]
     paths = [store.path_of(ref) for ref in refs]
-    buffer = bytearray(os.path.getsize(paths[0]))
-    times = []
-    for step in range(max(repeats, 2 * count)):
-        times.append((seconds(lambda: copy_into(dest, store.get(refs[step % count]))),
-                      seconds(lambda: read_into(paths[(step + count // 2) % count], buffer))))
-    get_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+    file_bytes = os.path.getsize(paths[0])
+    result = {"pool_samples": count, "batch": batch}
+    for size, prefix in ((1, ""), (batch, "batch_")):
+        dests = [{name: torch.empty_like(t) for name, t in sample.items()} for _ in range(size)]
+        buffers = [bytearray(file_bytes) for _ in range(size)]
+
+        def get_batch(first: int) -> None:
+            samples = [store.get(refs[(first + k) % count]) for k in range(size)]
+            for dest, tensors in zip(dests, samples):
+                copy_into(dest, tensors)
+
+        def read_batch(first: int) -> None:
+            for k, buffer in enumerate(buffers):
+                read_into(paths[(first + k) % count], buffer)
+
+        times = []
+        for step in range(max(repeats, 2 * count // size)):
+            first = step * size
+            times.append((seconds(lambda: get_batch(first)), seconds(lambda: read_batch(first + count // 2))))
+        get_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+        raw_gbps, get_gbps = size * file_bytes / raw_s / 1e9, size * nbytes(sample) / get_s / 1e9
+        result.update({f"{prefix}raw_read_gbps": raw_gbps, f"{prefix}get_vs_raw_read": get_gbps / raw_gbps})
     for ref in refs:
         store.abort(ref.sample_id)
-    raw_gbps, get_gbps = len(buffer) / raw_s / 1e9, nbytes(sample) / get_s / 1e9
-    return {"pool_samples": count, "raw_read_gbps": raw_gbps, "get_vs_raw_read": get_gbps / raw_gbps}
+    return result
 
 
 def fixed_cost(store, repeats: int) -> dict:
@@ -158,6 +182,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,8,64", help="sample sizes in MiB, comma separated")
     parser.add_argument("--repeats", type=int, default=11, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="samples per batch for the disk read measured as the feature loader reads (default 8)")
     parser.add_argument("--dir", default=None, help="directory for the disk store (default: a temporary one)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the copies (default 1: the raw read is one thread too, and "
@@ -169,13 +195,13 @@ def main() -> None:
     for mib in sizes:
         sample = make_sample(mib)
         with MemoryFeatureStore(MemoryStoreOptions(consume_once=False), CONTEXT) as store:
-            emit({"store": "memory", "size_mib": mib, **measure(store, sample, args.repeats)})
+            emit({"store": "memory", "size_mib": mib, **measure(store, sample, args.repeats, args.batch)})
         with tempfile.TemporaryDirectory(dir=args.dir) as root:
             with DiskFeatureStore(DiskStoreOptions(path=os.path.join(root, "store")), CONTEXT) as store:
                 for verify in (True, False):
                     store.verify_checksums = verify
                     emit({"store": "disk", "size_mib": mib, "verify_checksums": verify, "fsync": store.fsync,
-                          **measure(store, sample, args.repeats)})
+                          **measure(store, sample, args.repeats, args.batch)})
 
 
     with tempfile.TemporaryDirectory(dir=args.dir) as root:

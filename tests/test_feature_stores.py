@@ -447,6 +447,29 @@ def test_disk_file_renamed_to_another_sample_is_corrupt(damaged):
         store.get(impostor)
 
 
+def test_disk_file_without_the_identity_key_is_read_through_its_stored_ref(damaged):
+    # Files written before ``specforge.key`` existed: the get falls back to the stored ref.
+    store, victim, bystander, path = damaged
+    before = {name: tensor.clone() for name, tensor in store.get(victim).items()}
+    _rewrite_header(path, lambda h: h["__metadata__"].pop("specforge.key"))
+    assert_same_tensors(store.get(victim), before)
+
+
+def test_disk_file_that_records_another_sample_id_is_corrupt(damaged):
+    # What a digest collision would look like: the file name fits, the recorded identity does not.
+    store, victim, bystander, path = damaged
+
+    def other_sample(header):
+        meta = header["__metadata__"]
+        meta["specforge.key"] = f"{victim.generation}:'other'"
+        meta["specforge.ref"] = attrs.evolve(victim, sample_id="other").to_json()
+
+    _rewrite_header(path, other_sample)
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + ": it holds sample 'other', not 'victim'"):
+        store.get(victim)
+    _bystander_unharmed(store, bystander)
+
+
 def test_disk_file_removed_behind_the_stores_back_is_not_found(damaged):
     store, victim, bystander, path = damaged
     path.unlink()

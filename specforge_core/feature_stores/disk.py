@@ -13,7 +13,8 @@ replaced by ``_``, cut to 40 characters: it keeps a listing readable while no sa
 can name a path outside ``ROOT``.
 
 Each file's safetensors metadata holds the :class:`SampleRef` as it was put
-(``specforge.ref``) and a crc32 of each tensor's bytes (``specforge.crc32``). A feature
+(``specforge.ref``), its generation and sample id as one short string that a get compares
+(``specforge.key``), and a crc32 of each tensor's bytes (``specforge.crc32``). A feature
 file is data, never code: nothing here unpickles.
 """
 
@@ -53,7 +54,10 @@ _FORMAT = "specforge-disk-store"
 _VERSION = 1
 _REF_KEY = "specforge.ref"
 _CRC_KEY = "specforge.crc32"
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_KEY_KEY = "specforge.key"  # "<generation>:<ascii() of the sample id>", the identity a get checks
+_unsafe_sub = re.compile(r"[^A-Za-z0-9_-]").sub
+_sha256 = hashlib.sha256
+_SEP = os.sep
 _SHARD = re.compile(r"^[0-9a-f]{2}$")
 _SAMPLE_FILE = re.compile(r"^([A-Za-z0-9_-]*\.[0-9a-f]{32})\.([0-9]+)\.safetensors$")
 
@@ -151,14 +155,15 @@ class DiskFeatureStore(BaseFeatureStore):
 
     def _locate(self, sample_id: str) -> tuple[str, str]:
         """(shard directory, file-name stem) of a sample."""
-        digest = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()
+        digest = _sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()
         # The slug replaces characters one for one, so cutting first gives the same 40.
-        shard = f"{self.root}{os.sep}{digest[:2]}{os.sep}{digest[2:4]}"
-        return shard, f"{_UNSAFE.sub('_', sample_id[:40])}.{digest[:32]}"
+        return f"{self.root}{_SEP}{digest[:2]}{_SEP}{digest[2:4]}", f"{_unsafe_sub('_', sample_id[:40])}.{digest[:32]}"
 
     def _file(self, sample_id: str, generation: int) -> str:
-        shard, stem = self._locate(sample_id)
-        return f"{shard}{os.sep}{stem}.{generation}.safetensors"
+        # One format instead of _locate's two: this runs on every get.
+        digest = _sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()
+        return (f"{self.root}{_SEP}{digest[:2]}{_SEP}{digest[2:4]}{_SEP}{_unsafe_sub('_', sample_id[:40])}."
+                f"{digest[:32]}.{generation}.safetensors")
 
     def _generations(self, sample_id: str) -> dict[int, str]:
         """Generation -> path of every published file of one sample, as the directory holds them now."""
@@ -186,7 +191,8 @@ class DiskFeatureStore(BaseFeatureStore):
             while True:
                 generation = max(max(self._generations(draft.sample_id), default=-1) + 1, time.time_ns() // 1000)
                 ref = attrs.evolve(draft, generation=generation)
-                save_file(tensors, tmp, metadata={_REF_KEY: ref.to_json(), _CRC_KEY: crcs})
+                save_file(tensors, tmp, metadata={_REF_KEY: ref.to_json(), _CRC_KEY: crcs,
+                                                  _KEY_KEY: f"{generation}:{draft.sample_id!a}"})
                 if self.fsync:
                     fsync_dir(tmp)  # an fsync of the path; works for files too
                 if _publish(tmp, self._file(draft.sample_id, generation)):
@@ -218,42 +224,32 @@ class DiskFeatureStore(BaseFeatureStore):
             if newer:
                 raise stale_error(ref, max(newer)) from None
             raise self._not_found(ref, f" (no file {path})") from None
+        # Map first, then read the header out of the map: no fstat or pread syscalls. A private
+        # (copy-on-write) map: nothing is read until touched, writes stay in this process, and
+        # the tensors outlive the file.
         try:
-            # Map first, then read the header out of the map: no fstat or pread syscalls. A
-            # private (copy-on-write) map: nothing is read until touched, writes stay in this
-            # process, and the tensors outlive the file.
-            try:
-                mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            except ValueError:  # an empty file cannot be mapped
-                raise _corrupt(path, "it is 0 bytes, shorter than a safetensors header") from None
-            header = _Header.parse(path, mapped, len(mapped))
-            # The file name encodes (sample id digest, generation); checking the two recorded
-            # fields against the ref is enough, and cheaper than rebuilding the stored ref.
-            try:
-                stored = json.loads(header.metadata[_REF_KEY])
-                stored_id, stored_generation = stored["sample_id"], stored["generation"]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
-            if stored_generation != ref.generation:
-                raise _corrupt(path, f"its metadata (sample {stored_id!r}, generation {stored_generation}) does not "
-                                     "match its file name")
-            if stored_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
-                raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
-            entries = []
-            for name in names:
-                entry = header.entries.get(name)
-                if entry is None:
-                    raise _corrupt(path, f"it has no tensor {name!r}, which the ref lists")
-                want = ref.features[name]
-                if entry[1] != want.shape or entry[0] != want.dtype:
-                    raise _corrupt(path, f"feature {name!r} is {entry[0]}{list(entry[1])} but the ref says "
-                                         f"{want.dtype}{list(want.shape)}")
-                entries.append(entry)
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except ValueError:  # an empty file cannot be mapped
+            raise _corrupt(path, "it is 0 bytes, shorter than a safetensors header") from None
         finally:
             os.close(fd)
+        header = _Header.parse(path, mapped, len(mapped))
+        # The file name encodes (sample id digest, generation); the file's own record of the
+        # two must agree. One string compare; files written before that record existed have
+        # their stored ref parsed instead.
+        if header.metadata.get(_KEY_KEY) != f"{ref.generation}:{ref.sample_id!a}":
+            _check_stored_ref(header, ref)
+        entries, features, data_start = header.entries, ref.features, header.data_start
         tensors = {}
-        data_start = header.data_start
-        for name, (dtype, shape, start, end) in zip(names, entries):
+        for name in names:
+            entry = entries.get(name)
+            if entry is None:
+                raise _corrupt(path, f"it has no tensor {name!r}, which the ref lists")
+            dtype, shape, start, end = entry
+            want = features[name]
+            if shape != want.shape or dtype != want.dtype:
+                raise _corrupt(path, f"feature {name!r} is {dtype}{list(shape)} but the ref says "
+                                     f"{want.dtype}{list(want.shape)}")
             torch_type, itemsize = _TORCH_TYPES[dtype]
             if end == start:
                 tensor = torch.empty(shape, dtype=torch_type)
@@ -503,6 +499,21 @@ class _Header(NamedTuple):
             raise _corrupt(path, f"it ended while reading its {length}-byte header")
         metadata, entries = _parse_header(path, head[8:8 + length], size - 8 - length)
         return cls(path, metadata, entries, 8 + length)
+
+
+def _check_stored_ref(header: _Header, ref: SampleRef) -> None:
+    """Raise unless the ref recorded in ``header`` names ``ref``'s sample and generation."""
+    path = header.path
+    try:
+        stored = json.loads(header.metadata[_REF_KEY])
+        stored_id, stored_generation = stored["sample_id"], stored["generation"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
+    if stored_generation != ref.generation:
+        raise _corrupt(path, f"its metadata (sample {stored_id!r}, generation {stored_generation}) does not "
+                             "match its file name")
+    if stored_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
+        raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
 
 
 def _recorded_crcs(header: _Header) -> dict[str, int]:
