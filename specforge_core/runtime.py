@@ -136,13 +136,12 @@ def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any
 def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any, context: BuildContext,
              summary: dict[str, Any]) -> dict[str, Any]:
     """Export the final draft and measure real acceptance; adds both to ``summary.json``."""
-    import json
-
     from .capture import data_paths
     from .export import export_model
     from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_jsonl
     from .training.checkpoint import load_model_state, model_state
     from .training.distributed import DistInfo
+    from .training.trainer import write_summary
 
     train = plan.train
     wants_export = train.export and hasattr(strategy, "export")
@@ -173,5 +172,5 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
             extra["tau_real"] = None
             extra["real_eval"] = {"skipped": reason}
     summary.update(extra)
-    (Path(plan.output) / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    write_summary(plan.output, summary)
     return summary

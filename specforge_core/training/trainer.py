@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ import torch
 
 from ..config import TrainOptions
 from ..contracts import StepContext
+from ..fileio import atomic_write_text
 from .checkpoint import CheckpointManager, check_contract
 from .distributed import DistInfo, gather_objects, set_gradient_sync, shard_model
 from .evaluator import derived_metrics
@@ -254,11 +256,17 @@ class Trainer:
         }
         summary.update(self.summary_extra)
         if self.info.is_main:
-            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+            write_summary(self.output_dir, summary)
             from .plot import plot_curves
 
             plot_curves(self.metrics.records(), self.output_dir / "curves.png")
         return summary
+
+
+def write_summary(output_dir: str | os.PathLike[str], summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` atomically: a run's result file is never seen half written."""
+    text = json.dumps(summary, indent=2, sort_keys=True, default=str)
+    atomic_write_text(Path(output_dir) / "summary.json", text)
 
 
 class _Window:
