@@ -3,6 +3,15 @@
 ``OUTPUT/run.json`` records what a run was (its resolved config, the target's info, the
 features directory if offline), so a checkpoint can be exported later without the
 command line that produced it.
+
+The folder I/O every strategy's export shares lives here too, so a plugin's export module
+holds only its format (tensor names, config.json fields): :func:`export_state` (the
+tensors, FSDP2 shards gathered), :func:`write_export_files` (both files replaced only once
+both are written), :func:`open_export` / :class:`ExportConfig` (config.json read with
+errors that name the file, the field and what was expected), :func:`load_weights` and
+:func:`load_checked_state` (the safetensors file, checked against the model it goes into).
+Each takes the plugin's error type (a subclass of :class:`ExportError`), so callers catch
+the error of the format they asked for.
 """
 
 from __future__ import annotations
@@ -10,15 +19,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import attrs
 
 from .errors import SpecforgeError
+from .fileio import fsync_dir
 from .protocols import BuildContext, DataStats, TargetInfo
+
+if TYPE_CHECKING:
+    import torch
 
 RUN_FILE = "run.json"
 EXPORT_FORMATS = ("sglang",)
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
 
 
 class ExportError(SpecforgeError):
@@ -77,13 +92,18 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
 
 def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | os.PathLike[str],
                  fmt: str = "sglang") -> Path:
+    """Write ``model`` in serving format ``fmt`` into ``out_dir``; a new folder is removed again if that fails."""
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(EXPORT_FORMATS)}")
     if not hasattr(strategy, "export"):
         raise ExportError(f"strategy {type(strategy).__name__} cannot export for serving")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    strategy.export(model, str(out), target)
+    created = _make_export_folder(out, ExportError)
+    try:
+        strategy.export(model, str(out), target)
+    except BaseException:
+        _remove_if_empty(out, created)
+        raise
     return out
 
 
@@ -91,16 +111,228 @@ def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine:
     """(strategy, model) from an export directory; the strategy is named in its config.json."""
     from .options import build_options
 
-    draft_dir = Path(draft_dir)
-    config_file = draft_dir / "config.json"
-    if not config_file.exists():
-        raise ExportError(f"{draft_dir} is not an exported draft (no config.json)")
-    config = json.loads(config_file.read_text())
+    config = open_export(draft_dir, what="an exported draft", weights=False)
     name = config.get("specforge_strategy")
     if not name:
-        raise ExportError(f"{config_file} does not name its strategy (specforge_strategy); was it exported by "
+        raise ExportError(f"{config.source} does not name its strategy (specforge_strategy); was it exported by "
                           "specforge?")
     spec = manager.get("strategy", name)
     strategy = spec.load_factory()(build_options(spec.options, {}, section="strategy"), BuildContext())
-    model = strategy.load_export(str(draft_dir), engine.info(), engine.frozen_parts())
+    model = strategy.load_export(str(config.source.parent), engine.info(), engine.frozen_parts())
     return strategy, model
+
+
+# ---------------------------------------------------------------- writing an export folder
+def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an export holds: ``model.state_dict()`` without frozen parameters, whole and on the CPU.
+
+    Frozen parameters are the target's (embedding, lm_head), which the server takes from the
+    target itself. An FSDP2 shard is gathered with ``full_tensor()``, a collective: every
+    rank must call this, even those that will not write.
+    """
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in frozen:
+            continue
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().cpu().contiguous()
+    return state
+
+
+def write_export_files(out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
+                       config: Mapping[str, Any], *, error: type[ExportError] = ExportError) -> Path:
+    """Write ``model.safetensors`` and ``config.json`` into ``out_dir`` (created if needed); returns the folder.
+
+    Both files are written in full (and fsynced) under hidden temporary names before either
+    replaces anything, so a failure while writing (a tensor safetensors refuses, a config
+    value JSON cannot hold, a full disk) removes the temporaries and leaves an export already
+    in the folder as it was. config.json is renamed last: a folder with a config.json reads
+    as a complete export.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    try:
+        text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as exc:
+        raise error(f"the export's {CONFIG_FILE} cannot be written as JSON ({exc}); nothing was written to "
+                    f"{out}") from None
+    created = _make_export_folder(out, error)
+    staged: list[Path] = []
+    try:
+        _stage(out / WEIGHTS_FILE, lambda tmp: save_file(dict(tensors), tmp, metadata={"format": "pt"}), staged)
+        _stage(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), staged)
+    except Exception as exc:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        _remove_if_empty(out, created)
+        kept = "nothing was written" if created else "the folder was left as it was"
+        reason = " ".join(str(exc).split())  # safetensors' messages span several indented lines
+        raise error(f"could not write the export to {out} ({type(exc).__name__}: {reason}); {kept}") from exc
+    for tmp, name in zip(staged, (WEIGHTS_FILE, CONFIG_FILE)):
+        os.replace(tmp, out / name)
+    fsync_dir(out)
+    return out
+
+
+def _stage(path: Path, write: Callable[[str], None], staged: list[Path]) -> None:
+    """Write ``path``'s content to a hidden sibling (recorded in ``staged`` first, so a failed write is cleaned up)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staged.append(tmp)
+    write(str(tmp))
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _make_export_folder(out: Path, error: type[ExportError]) -> bool:
+    """Create ``out`` if needed (True when it was created); a clear error when a file is in the way."""
+    if out.exists() and not out.is_dir():
+        raise error(f"cannot export to {out}: it exists and is not a folder; choose another --output")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_if_empty(out: Path, created: bool) -> None:
+    """Undo :func:`_make_export_folder` after a failed export, so no empty folder poses as an export."""
+    if created and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
+# ---------------------------------------------------------------- reading an export folder
+_REQUIRED: Any = object()
+
+#: the JSON kinds a field can be asked for, and how an error message names them
+_KINDS: dict[type, str] = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                           list: "a list", dict: "an object"}
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+@attrs.frozen
+class ExportConfig:
+    """An export's parsed config.json, read field by field with errors that say which file, field and form.
+
+    ``what`` names the draft the reader expects ("an EAGLE3 draft"), ``error`` is the
+    plugin's error type, ``prefix`` the dotted path of a nested section
+    (``dflash_config.``). A missing field raises unless a default is given; JSON null counts
+    as missing, since transformers writes unknown fields as null.
+    """
+
+    data: Mapping[str, Any]
+    source: Path
+    what: str
+    error: type[ExportError] = ExportError
+    prefix: str = ""
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The raw value of ``name`` (no checks), for fields whose absence is meaningful."""
+        value = self.data.get(name)
+        return default if value is None else value
+
+    def fail(self, message: str) -> ExportError:
+        """The plugin's error for ``message`` about this file (raise it)."""
+        return self.error(f"{self.source} {message}")
+
+    def value(self, name: str, kind: type, default: Any = _REQUIRED) -> Any:
+        """``name`` checked to be of JSON ``kind`` (int, float, bool, str, list, dict); ``default`` if absent."""
+        value = self._read(name, default, lambda v: _is_kind(v, kind), _KINDS[kind])
+        return float(value) if kind is float and value is not default else value
+
+    def ints(self, name: str, default: Any = _REQUIRED) -> list[int] | Any:
+        """``name`` checked to be a list of integers (layer ids); ``default`` if absent."""
+        return self._read(name, default, lambda v: isinstance(v, list) and all(_is_kind(i, int) for i in v),
+                          "a list of integers")
+
+    def _read(self, name: str, default: Any, fits: Callable[[Any], bool], expected: str) -> Any:
+        value = self.data.get(name)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.fail(f"has no {self.prefix + name!r} field; {self.what} needs it as {expected}")
+            return default
+        if not fits(value):
+            raise self.fail(f"has {self.prefix + name!r} = {value!r}; {self.what} needs it as {expected}")
+        return value
+
+    def section(self, name: str) -> ExportConfig:
+        """The nested object ``name`` (empty when absent), read with the same file, draft and error."""
+        return attrs.evolve(self, data=self.value(name, dict, {}), prefix=f"{self.prefix}{name}.")
+
+    def expect_identity(self, architecture: str, strategy: str, *, strategy_required: bool = True) -> None:
+        """Refuse a config.json written for another strategy or architecture, naming what it is and what to do.
+
+        ``strategy_required=False`` accepts a config without ``specforge_strategy`` (a draft
+        trained by another tool); one that names a different strategy is always refused.
+        """
+        written_by = self.value("specforge_strategy", str, _REQUIRED if strategy_required else strategy)
+        if written_by != strategy:
+            raise self.fail(f"holds an export of strategy {written_by!r} (specforge_strategy), not {strategy!r}; "
+                            f"load it with --strategy {written_by}")
+        names = self.data.get("architectures")
+        if not isinstance(names, list) or architecture not in names:
+            raise self.fail(f"names architectures {names}, not [{architecture!r}]: it is not {self.what}")
+
+
+def open_export(path: str | os.PathLike[str], *, what: str, error: type[ExportError] = ExportError,
+                weights: bool = True) -> ExportConfig:
+    """The config.json of the export folder ``path``, parsed; ``weights`` also requires model.safetensors."""
+    root = Path(path)
+    for name in (CONFIG_FILE, WEIGHTS_FILE) if weights else (CONFIG_FILE,):
+        if not (root / name).is_file():
+            raise error(f"{root} is not {what} (no {name}); point at a folder written by `specforge export` "
+                        f"({CONFIG_FILE} + {WEIGHTS_FILE})")
+    source = root / CONFIG_FILE
+    try:
+        data = json.loads(source.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{source} is not valid JSON ({exc}); re-export the draft") from None
+    if not isinstance(data, dict):
+        raise error(f"{source} holds a JSON {type(data).__name__}, not an object; it is not {what}'s config")
+    return ExportConfig(data, source, what, error)
+
+
+def load_weights(path: str | os.PathLike[str], *, error: type[ExportError] = ExportError) -> dict[str, torch.Tensor]:
+    """Every tensor of the export folder ``path``'s model.safetensors."""
+    from safetensors.torch import load_file
+
+    source = Path(path) / WEIGHTS_FILE
+    try:
+        return load_file(str(source))
+    except Exception as exc:
+        raise error(f"{source} is not a readable safetensors file: {exc}") from exc
+
+
+def check_keys(found: Iterable[str], expected: Iterable[str], what: str, against: str, *,
+               error: type[ExportError] = ExportError) -> None:
+    """Refuse tensors whose names are not exactly ``expected``, listing (the first few) missing and unexpected."""
+    found, expected = set(found), set(expected)
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise error(f"{what} does not match {against}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def load_checked_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], source: str, *,
+                       error: type[ExportError] = ExportError, dtypes: bool = True) -> torch.nn.Module:
+    """Load an export's ``tensors`` into ``model``, which must expect exactly these names and shapes.
+
+    ``dtypes`` also requires each tensor's dtype (off: cast on load, for drafts written by
+    other tools). Checking first turns torch's size-mismatch RuntimeError into an error that
+    names the file and both shapes.
+    """
+    expected = export_state(model)
+    check_keys(tensors, expected, source, "the draft its config.json describes", error=error)
+    for key, want in expected.items():
+        got = tensors[key]
+        if got.shape != want.shape or (dtypes and got.dtype != want.dtype):
+            raise error(f"{source}: {key} is {got.dtype} {tuple(got.shape)}, the draft its config.json describes "
+                        f"expects {want.dtype} {tuple(want.shape)}")
+    model.load_state_dict(dict(tensors), strict=False)
+    return model

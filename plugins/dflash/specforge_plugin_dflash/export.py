@@ -15,39 +15,39 @@ with its extra heads included) exports and reloads through these functions uncha
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from specforge_core.dtypes import dtype_name, torch_dtype
-from specforge_core.fileio import atomic_write, atomic_write_text
+from specforge_core.errors import RecordError
+from specforge_core.export import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportConfig,
+    ExportError,
+    export_state,
+    load_checked_state,
+    load_weights,
+    open_export,
+    write_export_files,
+)
 
 from .config import DFlashConfig, DFlashConfigError
 from .model import DFlashBackbone
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
+ARCHITECTURE = "DFlashDraftModel"
+
+#: the top-level integer fields :meth:`DFlashConfig.from_hf_config` cannot do without
+REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+Draft = TypeVar("Draft", bound=DFlashBackbone)
 
 
-class DFlashExportError(DFlashConfigError):
-    """An export directory is missing, was written for another strategy, or does not match the draft."""
-
-
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors an export holds: every parameter except frozen ones (the target's), plus persistent buffers."""
-    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name in frozen:
-            continue
-        if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: gather (collective on every rank)
-            tensor = tensor.full_tensor()
-        state[name] = tensor.detach().cpu().contiguous()
-    return state
+class DFlashExportError(ExportError, DFlashConfigError):
+    """An export directory is missing, was written for another strategy, or does not match the draft or target."""
 
 
 def dflash_hf_config(model: DFlashBackbone, strategy: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -65,45 +65,84 @@ def dflash_hf_config(model: DFlashBackbone, strategy: str, extra: Mapping[str, A
     return config
 
 
-def write_export(model: torch.nn.Module, out_dir: str | os.PathLike[str], config: Mapping[str, Any]) -> Path:
-    """Write ``model``'s trainable tensors and ``config`` into ``out_dir`` (created if needed)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = trainable_state(model)
-    # Weights first, config last, each renamed into place: a crash never leaves a directory
-    # that looks like a complete export.
-    atomic_write(out / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_text(out / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+def write_export(model: torch.nn.Module, out_dir: str | os.PathLike[str], config: Mapping[str, Any], *,
+                 error: type[ExportError] = DFlashExportError) -> Path:
+    """Write ``model``'s trainable tensors (the frozen target parts left out) and ``config`` into ``out_dir``.
+
+    A failure leaves an export already in ``out_dir`` as it was (see
+    :func:`specforge_core.export.write_export_files`).
+    """
+    return write_export_files(out_dir, export_state(model), config, error=error)
 
 
-def read_export(path: str | os.PathLike[str], strategy: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(config, tensors)`` of an export directory written for ``strategy``."""
-    root = Path(path)
-    if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
-        raise DFlashExportError(f"{root} is not a {strategy} export: it needs {CONFIG} and {WEIGHTS}")
-    config = json.loads((root / CONFIG).read_text(encoding="utf-8"))
-    written_for = config.get("specforge_strategy")
-    if written_for != strategy or "DFlashDraftModel" not in config.get("architectures", []):
-        raise DFlashExportError(f"{root} holds a {written_for or 'non-specforge'} export "
-                                f"(architectures {config.get('architectures')}), not a {strategy} draft")
-    return config, load_file(str(root / WEIGHTS))
+def read_export(path: str | os.PathLike[str], strategy: str, *,
+                error: type[ExportError] = DFlashExportError) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of an export directory written for ``strategy``.
+
+    Checks what every DFlash-layout export needs (``specforge_strategy``, the architecture,
+    the fields :meth:`DFlashConfig.from_hf_config` reads) before the weights are loaded, so
+    a foreign or damaged config.json fails with the file and field named.
+    """
+    config = open_export(path, what=f"a {strategy} draft", error=error)
+    config.expect_identity(ARCHITECTURE, strategy)
+    check_fields(config)
+    return dict(config.data), load_weights(path, error=error)
 
 
-def load_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], source: str) -> torch.nn.Module:
+def check_fields(config: ExportConfig) -> None:
+    """Refuse a DFlash-layout config.json lacking a field the draft is built from, or holding it in a wrong form.
+
+    :meth:`DFlashConfig.from_hf_config` reads the same fields; checking them here first
+    gives an error naming the file, the field and its expected form instead of a KeyError.
+    """
+    for name in REQUIRED_INTS:
+        config.value(name, int)
+    section = config.section("dflash_config")
+    section.value("mask_token_id", int)
+    top_level_ids = config.ints("target_layer_ids", None)  # older loaders' place, read when dflash_config lacks it
+    if top_level_ids is None:
+        section.ints("target_layer_ids")
+    else:
+        section.ints("target_layer_ids", top_level_ids)
+    config.value("dtype", str, "float32")
+
+
+def load_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], source: str, *,
+               error: type[ExportError] = DFlashExportError) -> torch.nn.Module:
     """Load an export's tensors into ``model``, which must expect exactly these keys, shapes and dtypes."""
-    expected = trainable_state(model)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise DFlashExportError(f"{source} does not match the draft: missing {missing[:5]}, "
-                                f"unexpected {unexpected[:5]}")
-    for key, want in expected.items():
-        got = tensors[key]
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise DFlashExportError(f"{source}: {key} is {got.dtype} {tuple(got.shape)}, the draft expects "
-                                    f"{want.dtype} {tuple(want.shape)}")
-    model.load_state_dict(dict(tensors), strict=False)
-    return model
+    return load_checked_state(model, tensors, source, error=error)
+
+
+def load_backbone(path: str | os.PathLike[str], strategy: str, frozen_parts: Mapping[str, torch.Tensor],
+                  build: Callable[[DFlashConfig, Mapping[str, Any], torch.dtype], Draft], *,
+                  error: type[ExportError] = DFlashExportError) -> Draft:
+    """A DFlash-layout export of ``strategy`` back as the model ``build(config, raw config.json, dtype)`` makes.
+
+    The export is checked against the target's frozen embedding and lm_head before the
+    model is built, so an export of another target fails naming both shapes. Subclass
+    plugins (Domino) pass their own ``build`` and ``error``.
+    """
+    raw, tensors = read_export(path, strategy, error=error)
+    source = Path(path) / CONFIG_FILE
+    try:
+        config = DFlashConfig.from_hf_config(raw)
+        dtype = torch_dtype(raw.get("dtype", "float32"))
+    except (DFlashConfigError, RecordError) as exc:
+        raise error(f"{source} does not describe a valid {strategy} draft: {exc}") from None
+    check_target(config, frozen_parts, source, error=error)
+    return load_state(build(config, raw, dtype), tensors, str(Path(path) / WEIGHTS_FILE), error=error)
+
+
+def check_target(config: DFlashConfig, frozen_parts: Mapping[str, torch.Tensor], source: Path, *,
+                 error: type[ExportError] = DFlashExportError) -> None:
+    """Refuse a target whose embedding or lm_head is not ``[vocab_size, hidden_size]`` of the exported draft."""
+    want = (config.vocab_size, config.hidden_size)
+    for name in ("embed_tokens", "lm_head"):
+        got = tuple(frozen_parts[name].shape)
+        if got != want:
+            raise error(f"{source} describes a draft for a target with vocabulary {want[0]} and hidden size "
+                        f"{want[1]}, but this target's {name} is {list(got)} (vocabulary {got[0]}, hidden size "
+                        f"{got[-1]}); load the export against the target it was trained for")
 
 
 def export_dflash(model: DFlashBackbone, out_dir: str | os.PathLike[str]) -> Path:
@@ -114,8 +153,5 @@ def export_dflash(model: DFlashBackbone, out_dir: str | os.PathLike[str]) -> Pat
 def load_dflash(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.Tensor], *,
                 attention: str = "sdpa") -> DFlashBackbone:
     """A ``dflash`` export back as a :class:`DFlashBackbone` over the target's frozen embedding and lm_head."""
-    config, tensors = read_export(path, "dflash")
-    dtype = torch_dtype(config.get("dtype", "float32"))
-    model = DFlashBackbone(DFlashConfig.from_hf_config(config), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
-                           attention=attention, dtype=dtype)
-    return load_state(model, tensors, str(path))
+    return load_backbone(path, "dflash", frozen_parts, lambda config, _raw, dtype: DFlashBackbone(
+        config, frozen_parts["embed_tokens"], frozen_parts["lm_head"], attention=attention, dtype=dtype))

@@ -1,6 +1,7 @@
 """The SGLang export: exact keys, shapes, dtypes and config; reload gives identical logits."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -97,11 +98,11 @@ def test_load_export_refuses_other_exports_and_mismatched_drafts(tmp_path):
     strategy, info, frozen, model = make()
     strategy.export(model, str(tmp_path / "ok"), info)
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
-    with pytest.raises(DFlashExportError, match="needs config.json and model.safetensors"):
+    with pytest.raises(DFlashExportError, match=r"missing is not a dflash draft \(no config.json\)"):
         strategy.load_export(str(tmp_path / "missing"), info, frozen)
     config["specforge_strategy"] = "eagle3"
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DFlashExportError, match="holds a eagle3 export"):
+    with pytest.raises(DFlashExportError, match="holds an export of strategy 'eagle3' .*not 'dflash'; load it with --strategy eagle3"):
         strategy.load_export(str(tmp_path / "ok"), info, frozen)
     config["specforge_strategy"] = "dflash"
     config["num_hidden_layers"] = 3
@@ -113,3 +114,84 @@ def test_load_export_refuses_other_exports_and_mismatched_drafts(tmp_path):
 def test_the_hook_module_does_not_import_torch():
     code = "import sys, specforge_plugin_dflash, specforge_plugin_dflash.config; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def snapshot(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def exported(tmp_path, edit=None):
+    """(strategy, info, frozen, config.json path) of an export whose config.json was changed by ``edit``."""
+    strategy, info, frozen, model = make()
+    strategy.export(model, str(tmp_path), info)
+    if edit is not None:
+        config = json.loads((tmp_path / "config.json").read_text())
+        edit(config)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    return strategy, info, frozen, tmp_path / "config.json"
+
+
+@pytest.mark.parametrize("vocab, hidden, shape", [(VOCAB + 1, HIDDEN, [98, 32]), (VOCAB, 48, [97, 48])])
+def test_loading_against_another_target_names_both_sides(tmp_path, vocab, hidden, shape):
+    strategy, info, _frozen, config_file = exported(tmp_path)
+    other = {"embed_tokens": torch.zeros(vocab, hidden), "lm_head": torch.zeros(vocab, hidden)}
+    with pytest.raises(DFlashExportError, match=rf"^{re.escape(str(config_file))} describes a draft for a target with "
+                                                rf"vocabulary 97 and hidden size 32, but this target's embed_tokens is "
+                                                rf"{re.escape(str(shape))} \(vocabulary {vocab}, hidden size {hidden}\); "
+                                                "load the export against the target it was trained for$"):
+        strategy.load_export(str(tmp_path), info, other)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["dflash_config"].pop("mask_token_id"),
+     "has no 'dflash_config.mask_token_id' field; a dflash draft needs it as an integer"),
+    (lambda c: c.pop("hidden_size"), "has no 'hidden_size' field; a dflash draft needs it as an integer"),
+    (lambda c: c.update(num_hidden_layers="2"), "has 'num_hidden_layers' = '2'; a dflash draft needs it as an integer"),
+    (lambda c: c["dflash_config"].pop("target_layer_ids"),
+     "has no 'dflash_config.target_layer_ids' field; a dflash draft needs it as a list of integers"),
+    (lambda c: c["dflash_config"].update(target_layer_ids="1,3,5"),
+     "has 'dflash_config.target_layer_ids' = '1,3,5'; a dflash draft needs it as a list of integers"),
+    (lambda c: c.pop("specforge_strategy"), "has no 'specforge_strategy' field; a dflash draft needs it as a string"),
+    (lambda c: c.update(architectures=["LlamaForCausalLMEagle3"]),
+     "names architectures ['LlamaForCausalLMEagle3'], not ['DFlashDraftModel']: it is not a dflash draft"),
+    (lambda c: c.update(head_dim=7), ("does not describe a valid dflash draft: head_dim must be even for rotary "
+                                     "embeddings, got 7")),
+    (lambda c: c.update(dtype="float8"), "does not describe a valid dflash draft: unknown dtype 'float8'"),
+])
+def test_a_foreign_or_damaged_config_names_the_file_field_and_expected_form(tmp_path, edit, message):
+    strategy, info, frozen, config_file = exported(tmp_path, edit)
+    with pytest.raises(DFlashExportError, match=rf"^{re.escape(str(config_file))} {re.escape(message)}"):
+        strategy.load_export(str(tmp_path), info, frozen)
+
+
+def test_the_top_level_target_layer_ids_of_older_exports_still_load(tmp_path):
+    strategy, info, frozen, _config_file = exported(tmp_path, lambda c: (c["dflash_config"].pop("target_layer_ids"),
+                                                                  c.update(target_layer_ids=[1, 3, 5])))
+    assert strategy.load_export(str(tmp_path), info, frozen).config.target_layer_ids == (1, 3, 5)
+
+
+def test_unreadable_json_or_weights_are_named(tmp_path):
+    strategy, info, frozen, config_file = exported(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00\x01")
+    with pytest.raises(DFlashExportError, match=rf"^{re.escape(str(tmp_path / 'model.safetensors'))} is not a "
+                                                "readable safetensors file: "):
+        strategy.load_export(str(tmp_path), info, frozen)
+    config_file.write_text('{"architectures": ')
+    with pytest.raises(DFlashExportError, match=rf"^{re.escape(str(config_file))} is not valid JSON \(Expecting value"):
+        strategy.load_export(str(tmp_path), info, frozen)
+
+
+def test_a_failed_export_leaves_the_existing_export_intact(tmp_path):
+    strategy, info, _frozen, model = make()
+    strategy.export(model, str(tmp_path), info)
+    before = snapshot(tmp_path)
+    model.norm.weight = model.hidden_norm.weight  # tied weights: safetensors refuses tensors sharing memory
+    with pytest.raises(DFlashExportError, match=rf"^could not write the export to {re.escape(str(tmp_path))} "
+                                                r"\(RuntimeError: Some tensors share memory.*\); the folder was left as "
+                                                "it was$"):
+        strategy.export(model, str(tmp_path), info)
+    assert snapshot(tmp_path) == before  # both files unchanged, no temporary left behind
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(DFlashExportError, match="it exists and is not a folder; choose another --output"):
+        strategy.export(model, str(tmp_path / "file"), info)
+    assert (tmp_path / "file").read_text() == "keep"

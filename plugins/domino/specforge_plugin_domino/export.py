@@ -24,15 +24,23 @@ from typing import Any, Mapping
 
 import torch
 
-from specforge_core.dtypes import torch_dtype
+from specforge_core.export import CONFIG_FILE, ExportConfig
 
 from specforge_plugin_dflash.config import DFlashConfig
-from specforge_plugin_dflash.export import dflash_hf_config, load_state, read_export, write_export
+from specforge_plugin_dflash.export import DFlashExportError, dflash_hf_config, load_backbone, write_export
 
-from .config import DominoHeadConfig
+from .config import PROJECTOR_TYPE, DominoConfigError, DominoHeadConfig
 from .model import DominoBackbone
 
 STRATEGY = "domino"
+
+
+class DominoExportError(DFlashExportError, DominoConfigError):
+    """A Domino export directory is missing, not a Domino draft, or does not fit the draft or target.
+
+    A :class:`DFlashExportError` (the layout is DFlash's) and a :class:`DominoConfigError`
+    (the head's fields are Domino's), so callers catching either keep working.
+    """
 
 
 def domino_hf_config(model: DominoBackbone) -> dict[str, Any]:
@@ -43,7 +51,22 @@ def domino_hf_config(model: DominoBackbone) -> dict[str, Any]:
 
 def export_domino(model: DominoBackbone, out_dir: str | os.PathLike[str]) -> Path:
     """The ``domino`` export of ``model`` (every trainable tensor: the backbone's and the head's)."""
-    return write_export(model, out_dir, domino_hf_config(model))
+    return write_export(model, out_dir, domino_hf_config(model), error=DominoExportError)
+
+
+def head_from_hf(raw: Mapping[str, Any], source: Path) -> DominoHeadConfig:
+    """The head's shape and alignment from an export's config.json, with errors naming the file and field."""
+    fields = ExportConfig(raw, source, "a Domino draft", DominoExportError).section("dflash_config")
+    if fields.get("projector_type") != PROJECTOR_TYPE:
+        raise fields.fail(f"has 'dflash_config.projector_type' = {fields.get('projector_type')!r}, not "
+                          f"{PROJECTOR_TYPE!r}: it is not a Domino draft")
+    for name in ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len"):
+        fields.value(name, int)
+    fields.value("shift_label", bool)
+    try:
+        return DominoHeadConfig.from_hf_config(raw)
+    except DominoConfigError as exc:  # the head does not fit the block (pure prefix too long, ...)
+        raise DominoExportError(f"{source} does not describe a valid Domino draft: {exc}") from None
 
 
 def load_domino(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.Tensor], *,
@@ -52,8 +75,8 @@ def load_domino(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.T
 
     The head's shape and alignment come from the export's config.json, not from options.
     """
-    config, tensors = read_export(path, STRATEGY)
-    model = DominoBackbone(DFlashConfig.from_hf_config(config), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
-                           head=DominoHeadConfig.from_hf_config(config), attention=attention,
-                           dtype=torch_dtype(config.get("dtype", "float32")))
-    return load_state(model, tensors, str(path))
+    def build(config: DFlashConfig, raw: Mapping[str, Any], dtype: torch.dtype) -> DominoBackbone:
+        return DominoBackbone(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"],
+                              head=head_from_hf(raw, Path(path) / CONFIG_FILE), attention=attention, dtype=dtype)
+
+    return load_backbone(path, STRATEGY, frozen_parts, build, error=DominoExportError)

@@ -1,11 +1,13 @@
 """The SGLang export: DFlash's keys plus the head's, the Domino config fields; reload is exact."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from specforge_core.export import ExportError
 from specforge_core.protocols import BuildContext
 from specforge_plugin_dflash import DFlashOptions
 from specforge_plugin_dflash.blocks import block_attention_mask
@@ -14,6 +16,7 @@ from specforge_plugin_dflash.strategy import DFlashStrategy
 
 from specforge_plugin_domino import DominoOptions
 from specforge_plugin_domino.config import DominoConfigError
+from specforge_plugin_domino.export import DominoExportError
 from specforge_plugin_domino.strategy import DominoStrategy
 
 HEAD_KEYS = {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"}
@@ -84,14 +87,75 @@ def test_domino_and_dflash_refuse_each_others_exports(tmp_path, random_target, m
     info, frozen = random_target()
     strategy, model = make_draft(info, frozen)
     strategy.export(model, str(tmp_path / "domino"))
-    with pytest.raises(DFlashExportError, match="holds a domino export"):
+    with pytest.raises(DFlashExportError, match="holds an export of strategy 'domino' .*not 'dflash'"):
         DFlashStrategy(DFlashOptions()).load_export(str(tmp_path / "domino"), info, frozen)
     dflash = DFlashStrategy(DFlashOptions(block_size=4, num_layers=2, num_target_layers=3))
     dflash.export(dflash.build_model(info, frozen, None), str(tmp_path / "dflash"))
-    with pytest.raises(DFlashExportError, match="holds a dflash export"):
+    with pytest.raises(DFlashExportError, match="holds an export of strategy 'dflash' .*not 'domino'"):
         strategy.load_export(str(tmp_path / "dflash"), info, frozen)
     config = json.loads((tmp_path / "domino" / "config.json").read_text())
     del config["dflash_config"]["gru_hidden_dim"]
     (tmp_path / "domino" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DominoConfigError, match="lacks a Domino field.*gru_hidden_dim"):
+    with pytest.raises(DominoConfigError, match="has no 'dflash_config.gru_hidden_dim' field; a Domino draft needs it as an integer"):
         strategy.load_export(str(tmp_path / "domino"), info, frozen)
+
+
+def snapshot(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def exported(tmp_path, make_draft, edit=None):
+    """(strategy, config.json path) of a Domino export whose config.json was changed by ``edit``."""
+    strategy, model = make_draft()
+    strategy.export(model, str(tmp_path))
+    if edit is not None:
+        config = json.loads((tmp_path / "config.json").read_text())
+        edit(config)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    return strategy, tmp_path / "config.json"
+
+
+def test_loading_against_another_target_names_both_sides(tmp_path, random_target, make_draft):
+    strategy, config_file = exported(tmp_path, make_draft)
+    info, frozen = random_target(vocab=101)
+    with pytest.raises(DominoExportError, match=rf"^{re.escape(str(config_file))} describes a draft for a target with "
+                                                r"vocabulary 97 and hidden size 32, but this target's embed_tokens is "
+                                                r"\[101, 32\] \(vocabulary 101, hidden size 32\); load the export "
+                                                "against the target it was trained for$"):
+        strategy.load_export(str(tmp_path), info, frozen)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["dflash_config"].update(projector_type="mlp"),
+     "has 'dflash_config.projector_type' = 'mlp', not 'domino': it is not a Domino draft"),
+    (lambda c: c["dflash_config"].update(shift_label="yes"),
+     "has 'dflash_config.shift_label' = 'yes'; a Domino draft needs it as true or false"),
+    (lambda c: c["dflash_config"].update(emb_dim=16.5), ("has 'dflash_config.emb_dim' = 16.5; a Domino draft needs it as "
+                                                        "an integer")),
+    (lambda c: c["dflash_config"].update(pure_draft_prefix_len=3),
+     ("does not describe a valid Domino draft: option 'strategy.pure_draft_prefix_len' is 3, but a block of 4 drafts 3 "
+     "tokens")),
+])
+def test_a_damaged_head_config_names_the_file_field_and_expected_form(tmp_path, random_target, make_draft, edit,
+                                                                      message):
+    info, frozen = random_target()
+    strategy, config_file = exported(tmp_path, make_draft, edit)
+    with pytest.raises(DominoExportError, match=rf"^{re.escape(str(config_file))} {re.escape(message)}"):
+        strategy.load_export(str(tmp_path), info, frozen)
+
+
+def test_domino_export_errors_are_both_dflash_export_and_domino_config_errors():
+    assert issubclass(DominoExportError, DFlashExportError) and issubclass(DominoExportError, DominoConfigError)
+    assert issubclass(DominoExportError, ExportError)
+
+
+def test_a_failed_export_leaves_the_existing_export_intact(tmp_path, make_draft):
+    strategy, model = make_draft()
+    strategy.export(model, str(tmp_path))
+    before = snapshot(tmp_path)
+    model.norm.weight = model.hidden_norm.weight  # tied weights: safetensors refuses tensors sharing memory
+    with pytest.raises(DominoExportError, match=rf"^could not write the export to {re.escape(str(tmp_path))} "
+                                                r"\(RuntimeError: Some tensors share memory.*\); the folder was left as "
+                                                "it was$"):
+        strategy.export(model, str(tmp_path))
+    assert snapshot(tmp_path) == before

@@ -13,18 +13,25 @@ would otherwise use the embedding as the draft's lm_head.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 import torch
-from safetensors.torch import load_file, save_file
 
 from specforge_core.dtypes import dtype_name
-from specforge_core.errors import SpecforgeError
-from specforge_core.fileio import atomic_write, atomic_write_text
+from specforge_core.export import (
+    WEIGHTS_FILE,
+    ExportConfig,
+    ExportError,
+    check_keys,
+    export_state,
+    load_checked_state,
+    load_weights,
+    open_export,
+    write_export_files,
+)
 from specforge_core.hfconfig import rope_theta
 from specforge_core.protocols import TargetInfo
 
@@ -33,8 +40,8 @@ from .options import default_aux_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 STRATEGY = "eagle3"
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+WHAT = "an EAGLE3 draft"
+LAYOUT = "the SGLang EAGLE3 layout"
 
 #: Every tensor of an export, named as SGLang's LlamaForCausalLMEagle3.load_weights expects.
 EXPORT_KEYS = (
@@ -56,7 +63,7 @@ EXPORT_KEYS = (
 )
 
 
-class Eagle3ExportError(SpecforgeError):
+class Eagle3ExportError(ExportError):
     """An export directory is incomplete, not an EAGLE3 draft, or made for another target."""
 
 
@@ -96,90 +103,79 @@ def hf_config(config: Eagle3Config, target: TargetInfo | None = None) -> dict[st
     return out
 
 
-def config_from_hf(data: Mapping[str, Any], target: TargetInfo) -> Eagle3Config:
-    """The draft shape from an export's config.json (also accepts EAGLE3 drafts trained elsewhere)."""
-    if ARCHITECTURE not in (data.get("architectures") or []):
-        raise Eagle3ExportError(f"config.json names architectures {data.get('architectures')}, not [{ARCHITECTURE!r}]")
-    if data.get("specforge_strategy", STRATEGY) != STRATEGY:
-        raise Eagle3ExportError(f"this export was made by strategy {data['specforge_strategy']!r}, not {STRATEGY!r}; "
-                                f"load it with --strategy {data['specforge_strategy']}")
-    if int(data.get("num_hidden_layers", 1)) != 1:
-        raise Eagle3ExportError(f"the draft has {data['num_hidden_layers']} layers; the eagle3 strategy builds one")
-    hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
-    aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    config = Eagle3Config(
-        hidden_size=hidden,
-        target_hidden_size=int(data.get("target_hidden_size") or hidden),
-        intermediate_size=int(data["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-        head_dim=int(data.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta(data),
-        max_position_embeddings=int(data.get("max_position_embeddings") or 4096),
-        vocab_size=int(data["vocab_size"]),
-        draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),
-        aux_layer_ids=tuple(aux) if aux else default_aux_layer_ids(target.num_layers),
-        dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
-    )
+def config_from_hf(data: Mapping[str, Any] | ExportConfig, target: TargetInfo) -> Eagle3Config:
+    """The draft shape from an export's config.json (also accepts EAGLE3 drafts trained elsewhere).
+
+    A field that is missing or of the wrong form, or a config of another strategy or
+    architecture, raises :class:`Eagle3ExportError` naming the file, the field and what an
+    EAGLE3 config needs there, rather than a bare KeyError from deep inside.
+    """
+    if not isinstance(data, ExportConfig):
+        data = ExportConfig(data, Path("config.json"), WHAT, Eagle3ExportError)
+    data.expect_identity(ARCHITECTURE, STRATEGY, strategy_required=False)
+    if data.value("num_hidden_layers", int, 1) != 1:
+        raise data.fail(f"describes {data.get('num_hidden_layers')} layers; the eagle3 strategy builds one")
+    hidden, heads = data.value("hidden_size", int), data.value("num_attention_heads", int)
+    if heads < 1:
+        raise data.fail(f"has 'num_attention_heads' = {heads}; {WHAT} needs at least one attention head")
+    vocab = data.value("vocab_size", int)
+    aux = data.section("eagle_config").ints("eagle_aux_hidden_state_layer_ids", None)
+    try:
+        config = Eagle3Config(
+            hidden_size=hidden,
+            target_hidden_size=data.value("target_hidden_size", int, hidden),
+            intermediate_size=data.value("intermediate_size", int),
+            num_attention_heads=heads,
+            num_key_value_heads=data.value("num_key_value_heads", int, heads),
+            head_dim=data.value("head_dim", int, hidden // heads),
+            rms_norm_eps=data.value("rms_norm_eps", float, 1e-6),
+            rope_theta=rope_theta(data.data),
+            max_position_embeddings=data.value("max_position_embeddings", int, 4096),
+            vocab_size=vocab,
+            draft_vocab_size=data.value("draft_vocab_size", int, vocab),
+            aux_layer_ids=tuple(aux) if aux else default_aux_layer_ids(target.num_layers),
+            dtype=data.value("torch_dtype", str, data.value("dtype", str, "float32")),
+        )
+    except (ValueError, ZeroDivisionError) as exc:  # e.g. heads not a multiple of kv heads
+        raise data.fail(f"does not describe a valid EAGLE3 draft: {exc}") from None
     if config.vocab_size != target.vocab_size or config.target_hidden_size != target.hidden_size:
-        raise Eagle3ExportError(
-            f"the draft was made for a target with vocabulary {config.vocab_size} and hidden size "
+        raise data.fail(
+            f"describes a draft made for a target with vocabulary {config.vocab_size} and hidden size "
             f"{config.target_hidden_size}, but this target ({target.model_id or 'unnamed'}) has "
             f"{target.vocab_size} and {target.hidden_size}; load it against the target it was trained for"
         )
     return config
 
 
-def _check_layout(state: Mapping[str, Any], what: str) -> None:
-    missing, unexpected = sorted(set(EXPORT_KEYS) - set(state)), sorted(set(state) - set(EXPORT_KEYS))
-    if missing or unexpected:
-        raise Eagle3ExportError(f"{what} does not match the SGLang EAGLE3 layout: missing {missing}, "
-                                f"unexpected {unexpected}")
-
-
 def export_draft(model: Eagle3Draft, out_dir: str | os.PathLike[str], target: TargetInfo | None = None) -> Path:
-    """Write ``model`` as an SGLang EAGLE3 draft directory; returns the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: gather (collective on every rank)
-            tensor = tensor.full_tensor()
-        state[name] = tensor.detach().cpu().contiguous()
-    _check_layout(state, "the draft's state")
+    """Write ``model`` as an SGLang EAGLE3 draft directory; returns the directory.
+
+    The state is checked against :data:`EXPORT_KEYS` before anything is written, so a draft
+    that does not fit SGLang's layout never replaces an earlier export.
+    """
+    state = export_state(model)
+    check_keys(state, EXPORT_KEYS, "the draft's state", LAYOUT, error=Eagle3ExportError)
     config = hf_config(model.config, target)
     config["torch_dtype"] = config["dtype"] = dtype_name(state["fc.weight"].dtype)
-    # safetensors first, config last: a directory with a config.json is a complete export
-    atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file({k: state[k] for k in EXPORT_KEYS}, tmp,
-                                                           metadata={"format": "pt"}))
-    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    return write_export_files(out_dir, {k: state[k] for k in EXPORT_KEYS}, config, error=Eagle3ExportError)
 
 
 def load_draft(path: str | os.PathLike[str], target: TargetInfo, frozen_parts: Mapping[str, Any]) -> Eagle3Draft:
     """Rebuild the draft from an export directory and the target's frozen parts."""
-    root = Path(path)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (root / name).is_file():
-            raise Eagle3ExportError(f"{root} has no {name}; point at a directory written by `specforge export` "
-                                    "(config.json + model.safetensors)")
-    try:
-        data = json.loads((root / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as exc:
-        raise Eagle3ExportError(f"{root / CONFIG_FILE} is not valid JSON: {exc}") from None
+    data = open_export(path, what=WHAT, error=Eagle3ExportError)
     config = config_from_hf(data, target)
-    try:
-        state = load_file(str(root / WEIGHTS_FILE))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise Eagle3ExportError(f"{root / WEIGHTS_FILE} is not a readable safetensors file: {exc}") from exc
+    state = load_weights(path, error=Eagle3ExportError)
+    source = str(Path(path) / WEIGHTS_FILE)
     if "fc.weight" in state:  # the weights' own dtype wins over what the config says
         config = attrs.evolve(config, dtype=dtype_name(state["fc.weight"].dtype))
     if "d2t" not in state and "t2d" not in state and config.draft_vocab_size == config.vocab_size:
         state["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)  # full vocabulary: identity
         state["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
     state.pop("embed_tokens.weight", None)  # some trainers keep the (target's) embedding
-    _check_layout(state, str(root / WEIGHTS_FILE))
-    model = Eagle3Draft(config, frozen_parts["embed_tokens"], frozen_parts.get("lm_head"))
-    model.load_state_dict(state)
-    return model
+    check_keys(state, EXPORT_KEYS, source, LAYOUT, error=Eagle3ExportError)
+    try:
+        model = Eagle3Draft(config, frozen_parts["embed_tokens"], frozen_parts.get("lm_head"))
+    except ValueError as exc:  # the target's frozen parts do not fit the draft the export describes
+        raise data.fail(f"describes a draft this target's frozen parts do not fit: {exc}") from None
+    # Drafts written by other tools may store some tensors in another dtype: cast them on load.
+    return load_checked_state(model, state, source, error=Eagle3ExportError, dtypes=False)

@@ -1,6 +1,7 @@
 """Export to SGLang's EAGLE3 layout and back."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def test_loading_against_another_target_is_refused(tmp_path):
 
 def test_loading_a_directory_without_an_export_says_what_is_missing(tmp_path):
     strategy, info, frozen, _model = build()
-    with pytest.raises(Eagle3ExportError, match="has no config.json"):
+    with pytest.raises(Eagle3ExportError, match=r"is not an EAGLE3 draft \(no config.json\)"):
         strategy.load_export(tmp_path, info, frozen)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -150,3 +151,87 @@ def _config_of(strategy, info):
     from specforge_plugin_eagle3.export import hf_config
 
     return hf_config(strategy.draft_config(info), info)
+
+
+def _snapshot(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def _export_with_config(tmp_path, edit):
+    """An export of ``build()`` whose config.json was changed by ``edit(config)``; returns its config.json path."""
+    strategy, info, frozen, model = build()
+    strategy.export(model, tmp_path, info)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path / "config.json", strategy, info, frozen
+
+
+def test_a_dflash_export_is_refused_with_the_strategy_to_load_it_with(tmp_path):
+    pytest.importorskip("specforge_plugin_dflash")
+    from specforge_plugin_dflash import DFlashOptions
+    from specforge_plugin_dflash.strategy import DFlashStrategy
+
+    info, frozen = target()
+    dflash = DFlashStrategy(DFlashOptions(num_layers=1, num_target_layers=2))
+    dflash.export(dflash.build_model(info, frozen, DataStats()), str(tmp_path))
+    strategy = Eagle3Strategy(Eagle3Options(ttt_length=3, draft_vocab_size=VD))
+    config_file = re.escape(str(tmp_path / "config.json"))
+    with pytest.raises(Eagle3ExportError, match=rf"^{config_file} holds an export of strategy 'dflash' "
+                                                r"\(specforge_strategy\), not 'eagle3'; load it with --strategy dflash$"):
+        strategy.load_export(tmp_path, info, frozen)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["specforge_strategy"]  # as a DFlash draft trained by another tool would be
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Eagle3ExportError, match=rf"^{config_file} names architectures \['DFlashDraftModel'\], not "
+                                                r"\['LlamaForCausalLMEagle3'\]: it is not an EAGLE3 draft$"):
+        strategy.load_export(tmp_path, info, frozen)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"])
+def test_a_config_without_a_required_field_names_the_file_and_field(tmp_path, field):
+    config_file, strategy, info, frozen = _export_with_config(tmp_path, lambda c: c.pop(field))
+    with pytest.raises(Eagle3ExportError, match=rf"^{re.escape(str(config_file))} has no '{field}' field; an EAGLE3 "
+                                                "draft needs it as an integer$"):
+        strategy.load_export(tmp_path, info, frozen)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(intermediate_size="48"), "has 'intermediate_size' = '48'; an EAGLE3 draft needs it as an integer"),
+    (lambda c: c.update(rms_norm_eps="small"), "has 'rms_norm_eps' = 'small'; an EAGLE3 draft needs it as a number"),
+    (lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, "3", 5]),
+     ("has 'eagle_config.eagle_aux_hidden_state_layer_ids' = [0, '3', 5]; an EAGLE3 draft needs it as a list of "
+     "integers")),
+    (lambda c: c.update(num_key_value_heads=3), ("does not describe a valid EAGLE3 draft: num_attention_heads (4) must "
+                                                "be a multiple of num_key_value_heads (3)")),
+    (lambda c: c.update(num_hidden_layers=2), "describes 2 layers; the eagle3 strategy builds one"),
+    (lambda c: c.update(num_attention_heads=0), ("has 'num_attention_heads' = 0; an EAGLE3 draft needs at least one "
+                                                "attention head")),
+])
+def test_a_config_with_an_ill_formed_field_names_the_file_field_and_expected_form(tmp_path, edit, message):
+    config_file, strategy, info, frozen = _export_with_config(tmp_path, edit)
+    with pytest.raises(Eagle3ExportError, match=rf"^{re.escape(str(config_file))} {re.escape(message)}$"):
+        strategy.load_export(tmp_path, info, frozen)
+
+
+def test_weights_that_do_not_fit_the_config_name_the_tensor_and_both_shapes(tmp_path):
+    _config_file, strategy, info, frozen = _export_with_config(tmp_path, lambda c: c.update(intermediate_size=64))
+    weights = re.escape(str(tmp_path / "model.safetensors"))
+    with pytest.raises(Eagle3ExportError, match=rf"^{weights}: midlayer.mlp.gate_proj.weight is torch.float32 "
+                                                r"\(48, 32\), the draft its config.json describes expects torch.float32 "
+                                                r"\(64, 32\)$"):
+        strategy.load_export(tmp_path, info, frozen)
+
+
+def test_a_draft_that_does_not_fit_the_layout_leaves_the_existing_export_intact(tmp_path):
+    strategy, info, _frozen, model = build()
+    strategy.export(model, tmp_path, info)
+    before = _snapshot(tmp_path)
+    model.extra = torch.nn.Linear(2, 2, bias=False)
+    with pytest.raises(Eagle3ExportError, match=r"^the draft's state does not match the SGLang EAGLE3 layout: "
+                                                r"missing \[\], unexpected \['extra.weight'\]$"):
+        strategy.export(model, tmp_path, info)
+    assert _snapshot(tmp_path) == before
+    with pytest.raises(Eagle3ExportError, match="unexpected \\['extra.weight'\\]"):
+        strategy.export(model, tmp_path / "new", info)
+    assert not (tmp_path / "new").exists()
