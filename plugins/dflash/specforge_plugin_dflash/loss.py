@@ -74,3 +74,16 @@ def block_metrics(predictions: torch.Tensor, labels: torch.Tensor, label_mask: t
     accepted = acceptance_lengths(correct, label_shift=label_shift)[keep]
     return {f"{prefix}acc": (float(correct.sum()), float(label_mask.sum())),
             f"{prefix}accept_len": (float(accepted.sum()), float(accepted.numel()))}
+
+
+def weighted_mean(weighted_ce: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(Σw·CE / Σw, Σw)``: the loss and its denominator; where nothing is weighted (Σw = 0, so Σw·CE = 0
+    too) the loss is that 0, not NaN."""
+    weight = weights.sum()
+    return weighted_ce / torch.where(weight > 0, weight, torch.ones_like(weight)), float(weight)
+
+
+def no_anchor_samples(num_valid: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """Ratio metric ``no_anchor_samples``: pooled, the fraction of samples with no valid anchor
+    (numerator: their count; ``num_valid [B]`` from :class:`~specforge_plugin_dflash.blocks.Blocks`)."""
+    return {"no_anchor_samples": (float((num_valid == 0).sum()), float(num_valid.numel()))}

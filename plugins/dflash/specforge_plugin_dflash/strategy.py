@@ -11,19 +11,20 @@ forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from specforge_core.dtypes import torch_dtype
 from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
+from specforge_core.data.collate import pad_features
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo
 
 from . import DFlashOptions
 from .blocks import Blocks, block_attention_mask, draw_blocks
 from .config import DFlashConfig
 from .export import export_dflash, load_dflash
-from .loss import block_metrics, chunked_cross_entropy
+from .loss import block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
 from .model import DFlashBackbone
 from .speculate import DraftFn, draft_block, speculative_decode
 
@@ -31,25 +32,22 @@ from .speculate import DraftFn, draft_block, speculative_decode
 HIDDEN_FEATURE = "target_hidden"
 #: The ``step`` anchors are seeded with during evaluation: the same anchors at every eval.
 EVAL_STEP = -1
+#: What a sample holds, each ``[S, ...]``.
+FEATURES = ("input_ids", "loss_mask", HIDDEN_FEATURE)
 
 
-def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str]) -> TrainBatch:
+def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str], *,
+                     strategy: str = "dflash") -> TrainBatch:
     """Right-pad ``input_ids``, ``loss_mask`` (with 0) and ``target_hidden`` (with zeros) to the longest sample.
 
-    The batch also carries ``lengths [B]``, the unpadded lengths.
+    The batch also carries ``lengths [B]``, the unpadded lengths. A sample that lacks one of
+    the features, or whose features disagree on its length, is refused naming it
+    (``strategy`` names the capture plan in that message).
     """
-    lengths = torch.tensor([int(s["input_ids"].shape[0]) for s in samples])
-    longest, width = int(lengths.max()), samples[0][HIDDEN_FEATURE].shape[-1]
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    hidden = torch.zeros(len(samples), longest, width, dtype=samples[0][HIDDEN_FEATURE].dtype)
-    for row, sample in enumerate(samples):
-        n = int(lengths[row])
-        ids[row, :n] = sample["input_ids"]
-        mask[row, :n] = sample["loss_mask"]
-        hidden[row, :n] = sample[HIDDEN_FEATURE]
-    return TrainBatch(tensors={"input_ids": ids, "loss_mask": mask, HIDDEN_FEATURE: hidden, "lengths": lengths},
-                      sample_ids=sample_ids, num_tokens=int(lengths.sum()))
+    tensors, lengths = pad_features(samples, sample_ids, FEATURES, strategy=strategy,
+                                    dtypes={"input_ids": torch.long, "loss_mask": torch.long})
+    lengths = torch.tensor(lengths)
+    return TrainBatch(tensors={**tensors, "lengths": lengths}, sample_ids=sample_ids, num_tokens=int(lengths.sum()))
 
 
 class DFlashStrategy:
@@ -58,6 +56,12 @@ class DFlashStrategy:
     name = "dflash"
     #: How :meth:`speculate` drafts a block; a variant with its own drafting (Domino) swaps in its DraftFn.
     draft_fn: DraftFn = staticmethod(draft_block)
+    #: The network :meth:`build_model` creates; a variant with extra heads (Domino) swaps in its subclass
+    #: and adds that subclass's arguments in :meth:`model_kwargs`.
+    model_class: type[DFlashBackbone] = DFlashBackbone
+    #: Write / read back the SGLang export (:meth:`export`, :meth:`load_export`); a variant swaps in its own.
+    export_fn: Callable[[DFlashBackbone, str], Any] = staticmethod(export_dflash)
+    load_fn: Callable[..., DFlashBackbone] = staticmethod(load_dflash)
 
     def __init__(self, options: DFlashOptions, context: BuildContext | None = None) -> None:
         self.options = options
@@ -76,14 +80,18 @@ class DFlashStrategy:
             HIDDEN_FEATURE: FeatureSpec((-1, len(layer_ids) * target.hidden_size), target.dtype),
         })
 
+    def model_kwargs(self, target: TargetInfo) -> dict[str, Any]:
+        """Keyword arguments of :attr:`model_class` besides the config and the frozen parts."""
+        return {"attention": self.options.attention, "dtype": torch_dtype(self.options.dtype),
+                "init_std": self.options.init_std}
+
     def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DFlashBackbone:
-        return DFlashBackbone(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
-                              attention=self.options.attention, dtype=torch_dtype(self.options.dtype),
-                              init_std=self.options.init_std)
+        return self.model_class(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
+                                **self.model_kwargs(target))
 
     # ------------------------------------------------------------------ training
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str]) -> TrainBatch:
-        return collate_features(samples, sample_ids)
+        return collate_features(samples, sample_ids, strategy=self.name)
 
     def draw_blocks(self, model: DFlashBackbone, batch: TrainBatch, ctx: StepContext, *,
                     label_shift: int = 0) -> Blocks:
@@ -108,12 +116,10 @@ class DFlashStrategy:
         hidden = self.block_hidden(model, batch, blocks)
         weighted_ce, predictions = chunked_cross_entropy(lambda start, end: model.logits(hidden[:, start:end]),
                                                          blocks.labels, blocks.weights, self.options.logit_chunk_size)
-        weight = blocks.weights.sum()
-        loss = weighted_ce / torch.where(weight > 0, weight, torch.ones_like(weight))
-        ratios = {"loss": (float(weighted_ce.detach()), float(weight)),
+        loss, weight = weighted_mean(weighted_ce, blocks.weights)
+        ratios = {"loss": (float(weighted_ce.detach()), weight),
                   **block_metrics(predictions, blocks.labels, blocks.label_mask, blocks.keep),
-                  # pooled: the fraction of samples with no valid anchor (numerator: their count)
-                  "no_anchor_samples": (float((blocks.num_valid == 0).sum()), float(blocks.num_valid.numel()))}
+                  **no_anchor_samples(blocks.num_valid)}
         return StepOutput(loss=loss, ratio_metrics=ratios)
 
     def derived_metrics(self, pooled: Mapping[str, float]) -> dict[str, float]:
@@ -126,12 +132,13 @@ class DFlashStrategy:
 
     # ------------------------------------------------------------------ serving
     def export(self, model: DFlashBackbone, out_dir: str, target: TargetInfo | None = None) -> str:
-        """An SGLang ``DFlashDraftModel`` directory (see :mod:`specforge_plugin_dflash.export`)."""
-        return str(export_dflash(model, out_dir))
+        """An SGLang ``DFlashDraftModel`` directory, written by :attr:`export_fn` (see
+        :mod:`specforge_plugin_dflash.export`)."""
+        return str(self.export_fn(model, out_dir))
 
     def load_export(self, path: str, target: TargetInfo | None, frozen_parts: Mapping[str, Any]) -> DFlashBackbone:
-        """The draft back from an export, over the target's frozen ``embed_tokens`` and ``lm_head``."""
-        return load_dflash(path, frozen_parts, attention=self.options.attention)
+        """The draft back from an export (:attr:`load_fn`), over the target's frozen ``embed_tokens`` and ``lm_head``."""
+        return self.load_fn(path, frozen_parts, attention=self.options.attention)
 
     def speculate(self, model: DFlashBackbone, session: Any, prompt_ids: Any, *, max_new_tokens: int,
                   eos_token_id: int | Sequence[int] | None = None) -> SpeculationResult:

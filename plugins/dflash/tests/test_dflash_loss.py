@@ -206,3 +206,35 @@ def test_tau_sim_is_the_pooled_acceptance_length_without_the_bonus_token():
     strategy = DFlashStrategy(DFlashOptions(), BuildContext())
     assert strategy.derived_metrics({"accept_len": 3.25, "acc": 0.5}) == {"tau_sim": 2.25}
     assert strategy.derived_metrics({"acc": 0.5}) == {}
+
+
+def test_collate_pads_to_the_longest_sample_and_keeps_the_lengths():
+    info, _ = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=4), BuildContext())
+    data = samples(strategy, info, lengths=(5, 2))
+    data[1]["input_ids"] = data[1]["input_ids"].int()  # cast to int64 like every batch's ids
+    batch = strategy.collate(data, ["x", "y"])
+    assert batch["lengths"].tolist() == [5, 2] and batch.num_tokens == 7 and batch.sample_ids == ("x", "y")
+    assert batch["input_ids"].dtype == torch.long
+    assert batch["input_ids"][1].tolist() == data[1]["input_ids"].tolist() + [0, 0, 0]
+    assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]]
+    assert torch.equal(batch["target_hidden"][1, :2], data[1]["target_hidden"])
+    assert torch.equal(batch["target_hidden"][1, 2:], torch.zeros(3, data[1]["target_hidden"].shape[1]))
+
+
+def test_collate_refuses_a_sample_without_a_feature_naming_it_and_the_features_it_has():
+    from specforge_core.data.collate import CollateError
+
+    info, _ = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=4), BuildContext())
+    data = samples(strategy, info)
+    del data[1]["target_hidden"]
+    with pytest.raises(CollateError, match=r"^sample 'y' lacks feature\(s\) \['target_hidden'\] \(it has \['input_ids', "
+                                           r"'loss_mask'\]\); it was not captured with the dflash capture plan: "
+                                           r"capture it again with --strategy dflash$"):
+        strategy.collate(data, ["x", "y"])
+    data = samples(strategy, info)
+    data[0]["loss_mask"] = data[0]["loss_mask"][:-1]
+    with pytest.raises(CollateError, match=r"sample 'x' has features of different lengths: \{'input_ids': 13, "
+                                           r"'loss_mask': 12, 'target_hidden': 13\}"):
+        strategy.collate(data, ["x", "y"])

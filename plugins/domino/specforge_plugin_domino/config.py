@@ -65,7 +65,11 @@ class DominoHeadConfig:
         return block_size - 1 + self.label_shift
 
     def check(self, block_size: int) -> DominoHeadConfig:
-        """``self``, if at least one drafted position of a ``block_size`` block is corrected."""
+        """``self``, if at least one drafted position of a ``block_size`` block is corrected.
+
+        Run once per head, by the constructors below (:meth:`from_options` for a new draft,
+        :meth:`from_hf_config` for an export); the model trusts the head it is given.
+        """
         if self.pure_draft_prefix_len > block_size - 2:
             raise DominoConfigError(
                 f"option 'strategy.pure_draft_prefix_len' is {self.pure_draft_prefix_len}, but a block of "

@@ -40,7 +40,7 @@ class DominoBackbone(DFlashBackbone):
                  head: DominoHeadConfig, attention: str = "sdpa", dtype: torch.dtype = torch.float32,
                  init_std: float = 0.02) -> None:
         super().__init__(config, embed_tokens, lm_head, attention=attention, dtype=dtype, init_std=init_std)
-        self.head_config = head.check(config.block_size)
+        self.head_config = head  # checked against the block size where it was made (DominoHeadConfig.from_*)
         hidden, gru = config.hidden_size, head.gru_hidden_dim
         self.prefix_gru = nn.GRU(hidden, gru, num_layers=1, bias=False, batch_first=True)
         self.embed_proj = nn.Sequential(nn.Linear(hidden + gru, head.emb_dim, bias=False), nn.SiLU(),

@@ -10,20 +10,22 @@ forward_loss, top to bottom (ALGORITHMS.md, "Domino")::
     λ       = base_loss_weight(global_step, total_steps)
     loss    = ((1 − λ)·final_ce + λ·base_ce) / Σw
 
-Capture plan, collate, anchors, the backbone pass, ``tau_sim`` and the speculate loop are
-DFlash's (inherited); only the drafting step differs (:attr:`DominoStrategy.draft_fn`).
+Capture plan, collate, anchors, the backbone pass, building the model, the loss's
+normalisation and ``no_anchor_samples``, ``tau_sim``, export / load and the speculate loop are
+DFlash's (inherited); Domino swaps in its network (:attr:`DominoStrategy.model_class`, with the
+head from :meth:`DominoStrategy.model_kwargs`), its export functions and its drafting step
+(:attr:`DominoStrategy.draft_fn`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from specforge_core.dtypes import torch_dtype
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
-from specforge_core.protocols import DataStats, TargetInfo
-from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy
+from specforge_core.protocols import TargetInfo
+from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 from .config import DominoHeadConfig
@@ -38,16 +40,18 @@ class DominoStrategy(DFlashStrategy):
 
     name = "domino"
     draft_fn = staticmethod(draft_domino_block)
+    model_class = DominoBackbone
+    export_fn = staticmethod(export_domino)
+    load_fn = staticmethod(load_domino)
 
     # ------------------------------------------------------------------ model
     def head_config(self, target: TargetInfo) -> DominoHeadConfig:
         """The correction head's widths and label alignment for ``target`` under the options."""
         return DominoHeadConfig.from_options(self.options, target.hidden_size)
 
-    def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DominoBackbone:
-        return DominoBackbone(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
-                              head=self.head_config(target), attention=self.options.attention,
-                              dtype=torch_dtype(self.options.dtype), init_std=self.options.init_std)
+    def model_kwargs(self, target: TargetInfo) -> dict[str, Any]:
+        """DFlash's, plus the correction head (:meth:`head_config`, already checked against the block size)."""
+        return {**super().model_kwargs(target), "head": self.head_config(target)}
 
     # ------------------------------------------------------------------ training
     def base_loss_weight(self, ctx: StepContext) -> float:
@@ -76,23 +80,12 @@ class DominoStrategy(DFlashStrategy):
         sums, predictions = chunked_cross_entropy(both_heads, blocks.labels.repeat(1, 1, 2), weights,
                                                   self.options.logit_chunk_size)
         base_ce, final_ce = sums
-        weight = blocks.weights.sum()
         lam = self.base_loss_weight(ctx)
-        loss = ((1.0 - lam) * final_ce + lam * base_ce) / torch.where(weight > 0, weight, torch.ones_like(weight))
+        loss, weight = weighted_mean((1.0 - lam) * final_ce + lam * base_ce, blocks.weights)
         metrics = dict(label_mask=blocks.label_mask, keep=blocks.keep, label_shift=head.label_shift)
-        ratios = {"final_loss": (float(final_ce.detach()), float(weight)),
-                  "base_loss": (float(base_ce.detach()), float(weight)),
+        ratios = {"final_loss": (float(final_ce.detach()), weight),
+                  "base_loss": (float(base_ce.detach()), weight),
                   **block_metrics(predictions[..., bs:], blocks.labels, **metrics),
                   **block_metrics(predictions[..., :bs], blocks.labels, prefix="base_", **metrics),
-                  # pooled: the fraction of samples with no valid anchor (numerator: their count)
-                  "no_anchor_samples": (float((blocks.num_valid == 0).sum()), float(blocks.num_valid.numel()))}
+                  **no_anchor_samples(blocks.num_valid)}
         return StepOutput(loss=loss, metrics={"lambda": lam}, ratio_metrics=ratios)
-
-    # ------------------------------------------------------------------ serving
-    def export(self, model: DominoBackbone, out_dir: str, target: TargetInfo | None = None) -> str:
-        """An SGLang DFlash directory with the Domino head (see :mod:`specforge_plugin_domino.export`)."""
-        return str(export_domino(model, out_dir))
-
-    def load_export(self, path: str, target: TargetInfo | None, frozen_parts: Mapping[str, Any]) -> DominoBackbone:
-        """The draft back from an export, over the target's frozen ``embed_tokens`` and ``lm_head``."""
-        return load_domino(path, frozen_parts, attention=self.options.attention)

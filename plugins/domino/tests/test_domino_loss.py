@@ -126,3 +126,14 @@ def test_grouped_weights_give_each_loss_its_weighted_sum_in_one_pass():
     assert torch.equal(predictions, logits.argmax(-1))
     sums.sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_collate_refuses_a_sample_without_a_feature_naming_it_and_the_features_it_has(make_draft):
+    from specforge_core.data.collate import CollateError
+
+    strategy, _model = make_draft()
+    sample = {"input_ids": torch.arange(5), "target_hidden": torch.zeros(5, 96)}
+    with pytest.raises(CollateError, match=r"^sample 's0' lacks feature\(s\) \['loss_mask'\] \(it has \['input_ids', "
+                                           r"'target_hidden'\]\); it was not captured with the domino capture plan: "
+                                           r"capture it again with --strategy domino$"):
+        strategy.collate([sample], ["s0"])

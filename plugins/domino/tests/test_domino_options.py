@@ -76,3 +76,34 @@ def test_the_hook_module_does_not_import_torch():
     code = "import sys, specforge_plugin_domino, specforge_plugin_domino.config, specforge_plugin_domino.schedule; " \
            "print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_the_head_is_checked_against_the_block_once_per_model_built_or_loaded(tmp_path, random_target, monkeypatch):
+    info, frozen = random_target()
+    strategy = DominoStrategy(DominoOptions(block_size=4, num_layers=1, num_target_layers=3, emb_dim=8),
+                              BuildContext())
+    model = strategy.build_model(info, frozen, DataStats())
+    strategy.export(model, str(tmp_path / "draft"))
+    checked = []
+    original = DominoHeadConfig.check
+    monkeypatch.setattr(DominoHeadConfig, "check", lambda head, block_size: checked.append(block_size) or
+                        original(head, block_size))
+    strategy.build_model(info, frozen, DataStats())
+    assert checked == [4]
+    strategy.load_export(str(tmp_path / "draft"), info, frozen)
+    assert checked == [4, 4]
+
+
+def test_an_export_whose_head_corrects_no_drafted_position_is_refused_when_loaded(tmp_path, random_target):
+    import json
+
+    info, frozen = random_target()
+    strategy = DominoStrategy(DominoOptions(block_size=4, num_layers=1, num_target_layers=3, emb_dim=8),
+                              BuildContext())
+    strategy.export(strategy.build_model(info, frozen, DataStats()), str(tmp_path / "draft"))
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    config["dflash_config"]["pure_draft_prefix_len"] = 3
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DominoConfigError, match="is 3, but a block of 4 drafts 3 tokens, so at most 2 of them can "
+                                                "stay uncorrected"):
+        strategy.load_export(str(tmp_path / "draft"), info, frozen)

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from specforge_core.contracts import FeatureSpec, StepOutput, TrainBatch
+from specforge_core.data.collate import CollateError, pad_features
 from specforge_core.errors import SpecforgeError
 from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo, VerifySession
@@ -28,8 +29,8 @@ AUX_FEATURE = "aux_hidden"
 FEATURES = ("input_ids", "loss_mask", AUX_FEATURE, "last_hidden")
 
 
-class Eagle3BatchError(SpecforgeError):
-    """Stored samples do not match the eagle3 capture plan."""
+#: Stored samples do not match the eagle3 capture plan (the error every strategy's collate raises).
+Eagle3BatchError = CollateError
 
 
 class Eagle3Strategy:
@@ -93,31 +94,12 @@ class Eagle3Strategy:
 
     # ------------------------------------------------------------------ training
     def collate(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str]) -> TrainBatch:
-        """Right-pad to the longest sample; ``attention_mask [B, S]`` marks real tokens."""
-        if not samples:
-            raise Eagle3BatchError("collate got no samples")
-        for index, sample in enumerate(samples):
-            absent = [name for name in FEATURES if name not in sample]
-            if absent:
-                raise Eagle3BatchError(f"sample {sample_ids[index]!r} lacks feature(s) {absent}; it was not captured "
-                                       "with the eagle3 capture plan")
-            lengths = {name: int(sample[name].shape[0]) for name in FEATURES}
-            if len(set(lengths.values())) != 1:
-                raise Eagle3BatchError(f"sample {sample_ids[index]!r} has features of different lengths: {lengths}")
-        lengths = [int(s["input_ids"].shape[0]) for s in samples]
-        b, s = len(samples), max(lengths)
-        first = samples[0]
-        tensors = {
-            "input_ids": torch.zeros(b, s, dtype=torch.long),
-            "loss_mask": torch.zeros(b, s, dtype=torch.long),
-            "attention_mask": torch.zeros(b, s, dtype=torch.long),
-            AUX_FEATURE: torch.zeros(b, s, first[AUX_FEATURE].shape[1], dtype=first[AUX_FEATURE].dtype),
-            "last_hidden": torch.zeros(b, s, first["last_hidden"].shape[1], dtype=first["last_hidden"].dtype),
-        }
-        for row, (sample, n) in enumerate(zip(samples, lengths)):
-            tensors["attention_mask"][row, :n] = 1
-            for name in FEATURES:
-                tensors[name][row, :n] = sample[name]
+        """Right-pad to the longest sample (with zeros); ``attention_mask [B, S]`` marks real tokens."""
+        tensors, lengths = pad_features(samples, sample_ids, FEATURES, strategy="eagle3",
+                                        dtypes={"input_ids": torch.long, "loss_mask": torch.long})
+        ids = tensors["input_ids"]
+        real = torch.arange(ids.shape[1], device=ids.device) < torch.tensor(lengths, device=ids.device)[:, None]
+        tensors["attention_mask"] = real.long()
         return TrainBatch(tensors=tensors, sample_ids=tuple(sample_ids), num_tokens=sum(lengths))
 
     def forward_loss(self, model: Eagle3Draft, batch: TrainBatch, ctx: Any) -> StepOutput:
