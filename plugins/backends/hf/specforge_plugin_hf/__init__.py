@@ -27,7 +27,8 @@ class HFEngineOptions:
     capture_batch_size: int = option(8, "Sequences per capture forward.", check=positive)
     attn_implementation: str = option(
         "auto", "Attention kernel. auto: batch_invariant on CPU (a padded batch captures exactly what each "
-                "sample alone would), sdpa on CUDA.",
+                "sample alone would), sdpa on CUDA; eager instead where the model's attention needs it (logit "
+                "softcapping, attention sinks). A kernel that cannot run the model is refused when it loads.",
         choices=("auto", "batch_invariant", "eager", "sdpa", "flash_attention_2"))
     toy_variant: str = option("default", "Which toy target serves when model is None (tiny: for tests).",
                               choices=("default", "tiny"))

@@ -34,6 +34,7 @@ from specforge_core.protocols import BuildContext, CapturePlan, TargetInfo
 
 from . import HFEngineOptions
 from .attention import register_batch_invariant_attention
+from .attention_support import choose_attention, read_model_attention
 from .errors import CapturePlanError, TargetEngineError, TargetModelNotFoundError
 from .padding import right_pad
 from .toy import ensure_toy_target, read_manifest
@@ -382,12 +383,28 @@ def _resolve_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype
     return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def _resolve_attention(name: str, device: torch.device) -> str:
-    if name == "auto":
-        name = "batch_invariant" if device.type == "cpu" else "sdpa"
+def _resolve_attention(name: str, device: torch.device, config: Any) -> str:
+    """The transformers ``attn_implementation`` for option value ``name``: ``auto`` resolved
+    to one that runs this model, an explicit choice that cannot refused before any weight loads."""
+    name = choose_attention(name, device, read_model_attention(config))
     if name == "batch_invariant":
         return register_batch_invariant_attention()
     return name
+
+
+def _placement(device: torch.device, accelerate_available: bool) -> tuple[dict[str, Any], bool]:
+    """``from_pretrained`` keyword arguments that put the weights on ``device``, and whether
+    the loaded model must still be moved there.
+
+    A device_map loads each weight straight onto the device (no full copy in host memory
+    first), but transformers needs accelerate for it; without accelerate the model is
+    loaded on CPU and moved. CPU is transformers' default and needs neither.
+    """
+    if device.type == "cpu":
+        return {}, False
+    if accelerate_available:
+        return {"device_map": {"": device}}, False
+    return {}, True
 
 
 def _local_model_folder(model: str) -> Path | None:
@@ -400,8 +417,15 @@ def _local_model_folder(model: str) -> Path | None:
                 "by save_pretrained (config.json, *.safetensors and the tokenizer files)"
             )
         return path
+    if path.exists():
+        kind = "a file" if path.is_file() else "not a folder"
+        hint = f" (did you mean its folder {path.parent}?)" if (path.parent / "config.json").is_file() else ""
+        raise TargetModelNotFoundError(
+            f"target model path {path} is {kind}{hint}; target_engine.model must name a model folder written by "
+            "save_pretrained, the folder holding config.json, the *.safetensors weights and the tokenizer files"
+        )
     hub_id = not path.is_absolute() and not model.startswith((".", "~")) and model.count("/") <= 1
-    if path.exists() or not hub_id:
+    if not hub_id:
         raise TargetModelNotFoundError(
             f"target model folder {path} does not exist; pass a folder written by save_pretrained "
             "(or a hub id such as org/name when you have network)"
@@ -423,18 +447,24 @@ def _load_tokenizer(source: str) -> Any:
 
 def _load_model(source: str, options: HFEngineOptions, device: torch.device) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
 
+    placement, move = _placement(device, is_accelerate_available())
     try:
         config = AutoConfig.from_pretrained(source)
+        attn_implementation = _resolve_attention(options.attn_implementation, device, config)
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=_resolve_dtype(options.dtype, device, config),
-            attn_implementation=_resolve_attention(options.attn_implementation, device),
+            attn_implementation=attn_implementation,
+            **placement,
         )
     except (OSError, ValueError) as exc:
         raise TargetModelNotFoundError(f"cannot load target model {source!r} as a causal LM ({_reason(exc)}); "
                                        "pass a folder written by save_pretrained") from exc
-    model.to(device).eval()
+    if move:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     return model
 

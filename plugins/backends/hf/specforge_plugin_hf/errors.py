@@ -2,11 +2,18 @@
 
 from specforge_core.errors import SpecforgeError, TargetEngineError
 
-__all__ = ["CapturePlanError", "TargetEngineError", "TargetModelNotFoundError", "ToyTargetError"]
+__all__ = [
+    "AttentionImplementationError", "CapturePlanError", "TargetEngineError", "TargetModelNotFoundError",
+    "ToyTargetError",
+]
 
 
 class TargetModelNotFoundError(TargetEngineError):
     """The target model folder (or hub id) does not exist."""
+
+
+class AttentionImplementationError(TargetEngineError):
+    """The chosen attention implementation cannot run the target model (or on its device)."""
 
 
 class CapturePlanError(TargetEngineError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -165,12 +166,19 @@ def test_session_without_a_prompt_starts_empty(engine):
 # -- toy target as the default -------------------------------------------------------------------
 
 
-def test_engine_without_a_model_serves_the_default_toy_target(default_toy_target, use_toy_cache):
-    engine = HFTargetEngine(HFEngineOptions())
-    assert engine.model_path == default_toy_target
-    assert engine.info().model_id.startswith("specforge/toy-target-default@")
+def test_engine_without_a_model_serves_the_cached_toy_target_of_its_variant(use_toy_cache):
+    """Served from the toy-target cache, built on first use. The tiny variant stands in for the
+    default one (minutes to build; test_toy_target pins its quality): the path is the same."""
+    from specforge_plugin_hf.toy import toy_target_dir
+
+    assert HFEngineOptions().model is None and HFEngineOptions().toy_variant == "default"
+    engine = HFTargetEngine(HFEngineOptions(toy_variant="tiny"))
+    assert engine.model_path == toy_target_dir("tiny") and engine.model_path.parent == use_toy_cache / "toy-target"
+    digest = engine.model_path.name.removeprefix("tiny-")
+    assert engine.info().model_id == f"specforge/toy-target-tiny@{digest}"
     train, eval_ = engine.default_data()
     assert train.name == "train.jsonl" and eval_.name == "eval.jsonl" and train.is_file() and eval_.is_file()
+    assert train.parent == eval_.parent == engine.model_path
 
 
 def test_default_data_is_none_for_a_model_that_is_not_a_toy_target(tiny_toy_target, tmp_path):
@@ -188,8 +196,26 @@ def test_default_data_is_none_for_a_model_that_is_not_a_toy_target(tiny_toy_targ
 
 def test_missing_model_folder_names_the_folder(tmp_path):
     missing = tmp_path / "no-such-model"
-    with pytest.raises(TargetModelNotFoundError, match=f"{missing} does not exist"):
+    with pytest.raises(TargetModelNotFoundError, match=f"target model folder {missing} does not exist; pass a "
+                                                       "folder written by save_pretrained"):
         make_engine(missing)
+
+
+def test_model_path_that_is_a_file_says_a_model_folder_is_expected(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a folder")
+    message = (f"target model path {weights} is a file; target_engine.model must name a model folder written by "
+               "save_pretrained, the folder holding config.json, the *.safetensors weights and the tokenizer files")
+    with pytest.raises(TargetModelNotFoundError, match=re.escape(message)) as raised:
+        make_engine(weights)
+    assert "does not exist" not in str(raised.value)
+
+
+def test_model_path_that_is_the_config_file_points_at_its_folder(tiny_toy_target):
+    config = tiny_toy_target / "config.json"
+    message = f"target model path {config} is a file (did you mean its folder {tiny_toy_target}?); target_engine.model"
+    with pytest.raises(TargetModelNotFoundError, match=re.escape(message)):
+        make_engine(config)
 
 
 def test_hub_id_without_network_says_to_pass_a_local_folder(monkeypatch):
@@ -242,6 +268,28 @@ def test_dtype_option_sets_the_weights_and_features_dtype(tiny_toy_target):
     assert engine.info().dtype == "bfloat16"
     result = engine.capture([{"input_ids": torch.tensor([1, 2, 3])}], CapturePlan(layer_ids=(0,), last_hidden=True))
     assert result[0]["aux_hidden"].dtype == torch.bfloat16
+
+
+# -- loading puts the weights where they run ------------------------------------------------------
+
+
+def test_weights_load_straight_onto_an_accelerator_and_stay_put_on_cpu():
+    """A device_map puts each weight on the GPU as it loads (transformers needs accelerate for
+    it; without, the model is loaded on CPU and moved). CPU loads as transformers' default."""
+    from specforge_plugin_hf.engine import _placement
+
+    cuda = torch.device("cuda", 1)
+    assert _placement(cuda, accelerate_available=True) == ({"device_map": {"": cuda}}, False)
+    assert _placement(cuda, accelerate_available=False) == ({}, True)
+    for accelerate in (True, False):
+        assert _placement(torch.device("cpu"), accelerate_available=accelerate) == ({}, False)
+
+
+def test_cpu_target_is_loaded_frozen_in_eval_mode_in_the_chosen_dtype(tiny_toy_target):
+    for dtype, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = make_engine(tiny_toy_target, device="cpu", dtype=dtype).model
+        assert not model.training and getattr(model, "hf_device_map", None) is None
+        assert {(p.device.type, p.dtype, p.requires_grad) for p in model.parameters()} == {("cpu", want, False)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
