@@ -102,6 +102,18 @@ def data_paths(plan: Any, engine: Any) -> tuple[str, str | None]:
     return train, evaluation
 
 
+def capture_components(plan: Any, *, role: str) -> tuple[Any, Any, Any, Any, CapturePlan]:
+    """(build context, strategy, target engine, target info, capture plan) of a capturing command."""
+    from .protocols import BuildContext
+    from .runtime import build_component
+
+    context = BuildContext(run_id=plan.run_id, output_dir=plan.output, role=role)
+    strategy = build_component(plan, "strategy", context)
+    engine = build_component(plan, "target_engine", context)
+    target = engine.info()
+    return context, strategy, engine, target, strategy.capture_plan(target)
+
+
 def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, Any]:
     """``specforge capture``: write a features directory for ``plan``'s strategy; resumable."""
     from tqdm import tqdm
@@ -109,14 +121,8 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     from .data.prepare import PrepareReport, iter_samples
     from .features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
     from .options import options_to_dict
-    from .protocols import BuildContext
-    from .runtime import build_component
 
-    context = BuildContext(run_id=plan.run_id, output_dir=plan.output, role="offline")
-    strategy = build_component(plan, "strategy", context)
-    engine = build_component(plan, "target_engine", context)
-    target = engine.info()
-    capture_plan = strategy.capture_plan(target)
+    context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
     name = plan["strategy"].spec.name
     root, store = create_feature_set(plan.output, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,

@@ -116,18 +116,28 @@ def _component_option(kind: str) -> Any:
 @click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
 @click.option("--features", default=None, type=click.Path(file_okay=False),
               help="Train offline from a features directory written by `specforge capture`.")
+@click.option("--role", type=click.Choice(["producer", "consumer"]), default=None,
+              help="Disaggregated run: `producer` captures target features into --features DIR while a "
+                   "`consumer` (another process sharing DIR) trains from them, each sample exactly once.")
 @click.option("--resume", default=None, metavar="latest|best|PATH",
               help="Continue from a checkpoint of this run (weights, optimizer, schedule, RNG, data position).")
 @click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
 def run(strategy: str | None, target_engine: str | None, feature_store: str | None, control_plane: str | None,
         config_path: str | None, assignments: tuple[str, ...], output: str | None, run_id: str | None,
-        features: str | None, resume: str | None, dry_run: bool) -> None:
+        features: str | None, role: str | None, resume: str | None, dry_run: bool) -> None:
     """Train a draft model.
 
     Components are resolved from installed plugins; every option is validated before
     anything heavy is built. Example:
 
         specforge run --strategy eagle3 --set train.max_steps=200 --output out/
+
+    Disaggregated: one process captures while another trains, sharing a directory
+    (SQLite metadata and a ref channel in DIR/control, features in DIR/store; every sample
+    is trained exactly once across crashes and restarts of either side):
+
+        specforge run --role producer --strategy eagle3 --features DIR --output prod/
+        specforge run --role consumer --strategy eagle3 --features DIR --output out/
     """
     from .config import apply_sets, load_config_file, resolve_plan, set_option
 
@@ -144,12 +154,26 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             raw["run_id"] = run_id
         if features:
             raw["features"] = features
+        if role:
+            raw["role"] = role
         raw = apply_sets(raw, assignments)
         plan = resolve_plan(get_plugin_manager(), raw)
     except SpecforgeError as exc:
         _fail(exc)
     if dry_run:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
+        return
+    if plan.role == "producer":
+        from .producer import run_producer
+
+        if resume:
+            _fail(OptionError("a producer resumes by itself from its features directory; drop --resume"))
+        try:
+            result = run_producer(plan, get_plugin_manager())
+        except SpecforgeError as exc:
+            _fail(exc)
+        click.echo(f"done: published {result['published']} samples ({result['reused']} already committed before "
+                   f"this start); stream closed in {result['features']}")
         return
     from .runtime import execute
 

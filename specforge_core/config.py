@@ -30,7 +30,9 @@ from .specs import SPEC_KINDS, ComponentSpec, check_capabilities
 
 COMPONENT_SECTIONS = tuple(SPEC_KINDS)  # strategy, target_engine, feature_store, control_plane
 SECTIONS = COMPONENT_SECTIONS + ("train", "data")
-TOP_LEVEL = SECTIONS + ("output", "run_id", "features")
+TOP_LEVEL = SECTIONS + ("output", "run_id", "features", "role")
+#: ``role`` values of a disaggregated run: a producer captures, a consumer trains.
+ROLES = ("producer", "consumer")
 
 DEFAULTS = {"target_engine": "hf", "control_plane": "local"}
 
@@ -101,6 +103,9 @@ class RunPlan:
     output: str
     run_id: str
     features: str | None = None
+    #: ``producer`` or ``consumer`` in a disaggregated run (``features`` is then the directory
+    #: the two share), None otherwise.
+    role: str | None = None
     #: ``section.key`` of every option the user set (config file or --set), so suggested
     #: defaults (e.g. from the toy target) never override a choice.
     explicit: frozenset[str] = frozenset()
@@ -113,6 +118,7 @@ class RunPlan:
             "run_id": self.run_id,
             "output": self.output,
             "features": self.features,
+            "role": self.role,
             **{kind: comp.to_dict() for kind, comp in self.components.items()},
             "train": options_to_dict(self.train),
             "data": options_to_dict(self.data),
@@ -125,8 +131,9 @@ def plan_to_raw(plan_dict: Mapping[str, Any]) -> dict[str, Any]:
                            for kind in COMPONENT_SECTIONS}
     raw.update({"train": dict(plan_dict["train"]), "data": dict(plan_dict["data"]), "output": plan_dict["output"],
                 "run_id": plan_dict["run_id"]})
-    if plan_dict.get("features"):
-        raw["features"] = plan_dict["features"]
+    for key in ("features", "role"):
+        if plan_dict.get(key):
+            raw[key] = plan_dict[key]
     return raw
 
 
@@ -187,7 +194,11 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
     if unknown:
         raise OptionError(f"unknown config section '{unknown[0]}'; sections: {', '.join(TOP_LEVEL)}")
     features = raw.get("features")
+    role = raw.get("role") or None
     defaults = dict(DEFAULTS, feature_store=default_feature_store or ("disk" if features else "memory"))
+    if role is not None:
+        _check_role(raw, role, features)
+        defaults["control_plane"] = "sqlite"
     components: dict[str, ResolvedComponent] = {}
     for kind in COMPONENT_SECTIONS:
         body = _section(raw, kind)
@@ -204,7 +215,23 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
     output = str(raw.get("output") or os.path.join("runs", run_id))
     explicit = frozenset(f"{section}.{key}" for section in SECTIONS for key in _section(raw, section))
     return RunPlan(components=components, train=train, data=data, output=output, run_id=run_id,
-                   features=str(features) if features else None, explicit=explicit)
+                   features=str(features) if features else None, role=role, explicit=explicit)
+
+
+def _check_role(raw: Mapping[str, Any], role: Any, features: Any) -> None:
+    """A disaggregated role needs the shared features directory and the durable parts."""
+    if role not in ROLES:
+        raise OptionError(f"unknown role {role!r}; choose producer (captures features) or consumer (trains)")
+    if not features:
+        raise OptionError(f"--role {role} needs --features DIR: the directory the producer and the consumer share "
+                          "(features, target parts and the control plane's database and ref channel)")
+    wanted = {"feature_store": "disk", "control_plane": "sqlite"}
+    for kind, name in wanted.items():
+        chosen = _section(raw, kind).get("name")
+        if chosen is not None and chosen != name:
+            raise OptionError(f"--role {role} exchanges samples through the shared directory's {name} "
+                              f"{kind.replace('_', ' ')}; {kind}={chosen!r} cannot be shared between the processes "
+                              f"(leave {kind} unset)")
 
 
 def with_suggested_train_options(plan: RunPlan, suggested: Mapping[str, Any]) -> tuple[RunPlan, dict[str, Any]]:

@@ -5,7 +5,11 @@ This is where topologies are chosen — never in the training loop:
 * **offline** (``--features DIR``): the disk store of a captured feature set, a fixed list
   of refs (shuffled per epoch, resumable by seek), frozen target parts from the feature set;
 * **online colocated** (default): the target engine captures on a producer thread into the
-  feature store, refs flow through the control plane's channel, the loader consumes them.
+  feature store, refs flow through the control plane's channel, the loader consumes them;
+* **disaggregated consumer** (``--role consumer --features DIR``): the training side of a
+  stream that a producer process writes into ``DIR`` (see :mod:`.producer`): refs from the
+  sqlite control plane's channel, acks durable with their global step, exactly once across
+  restarts of either side.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
 
 def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None) -> dict[str, Any]:
     """Train according to ``plan``; returns the summary (also written to ``summary.json``)."""
-    from .sources import OfflineSource, OnlineSource
+    from .sources import OfflineSource, OnlineSource, StreamSource
     from .training.distributed import barrier, check_same_everywhere, init_distributed, shutdown
     from .training.evaluator import Evaluator
     from .training.trainer import Trainer
@@ -57,17 +61,24 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
     source: Any = None
     try:
         check_same_everywhere("the installed plugin set", manager.plugin_set(), info)
+        if plan.role not in (None, "consumer"):
+            raise RunError(f"a {plan.role} does not train; run it with `specforge run --role {plan.role}`")
+        topology = _topology(plan)
+        role = plan.role or ("offline" if plan.features else "colocated")
         context = BuildContext(run_id=plan.run_id, output_dir=plan.output, rank=info.rank,
-                               world_size=info.world_size, role="offline" if plan.features else "colocated")
+                               world_size=info.world_size, role=role)
         strategy = build_component(plan, "strategy", context)
-        if plan.features:
+        if plan.role == "consumer":
+            source = StreamSource(plan, strategy, context, sync=lambda: barrier(info))
+        elif plan.features:
             source = OfflineSource(plan, strategy, context)
         else:
             # Capture may run this many samples ahead of the optimizer (bounded memory).
             window = 4 * train.batch_size * train.accumulation_steps
             source = OnlineSource(plan, strategy, context, build=lambda kind: build_component(plan, kind, context),
                                   window=window)
-        suggest = getattr(getattr(source, "engine", None), "suggested_train_options", None)
+        suggest = (getattr(source, "suggested_train_options", None)
+                   or getattr(getattr(source, "engine", None), "suggested_train_options", None))
         applied: dict[str, Any] = {}
         if suggest is not None:
             plan, applied = with_suggested_train_options(plan, suggest())
@@ -86,13 +97,14 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         evaluator = Evaluator(strategy, make_eval, info) if make_eval else None
         spec = plan["strategy"].spec
         summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
-                         "topology": "offline" if plan.features else "online-colocated",
+                         "topology": topology,
                          "train_options_suggested_by_engine": applied}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
                           contract=run_contract(plan, info.world_size, total_steps, source.fingerprint),
                           hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=spec.best_metric,
-                          best_mode=spec.best_mode, summary_extra=summary_extra)
+                          best_mode=spec.best_mode, summary_extra=summary_extra,
+                          on_checkpoint=getattr(source, "checkpointed", None))
         manager.hook.specforge_run_started(run_id=plan.run_id, output_dir=str(Path(plan.output)),
                                            config=plan.to_dict())
         if info.is_main:
@@ -101,7 +113,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
             write_run_file(plan.output, plan, source.target)
         if resume:
             trainer.resume(resume)
-        source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size)
+        source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
+                     global_step=trainer.state.global_step)
         summary = trainer.fit()
         summary = finalize(plan, strategy, trainer, source, info, context, summary)
         if info.is_main:
@@ -114,6 +127,12 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         if source is not None:
             source.close()
         shutdown()
+
+
+def _topology(plan: RunPlan) -> str:
+    if plan.role == "consumer":
+        return "disaggregated-consumer"
+    return "offline" if plan.features else "online-colocated"
 
 
 def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any, str | None]:

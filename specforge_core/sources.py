@@ -14,6 +14,7 @@ Both expose the same small surface: ``target``, ``frozen_parts``, ``fingerprint`
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
@@ -64,7 +65,7 @@ class OfflineSource:
                                          shuffle=False, drop_last=False, rank=rank, world_size=world_size,
                                          equal_shares=False)
 
-    def start(self, skip_samples: int = 0) -> None:
+    def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Nothing to start: the loader seeks by itself on resume."""
 
     def close(self) -> None:
@@ -76,7 +77,39 @@ def capture_batch_size(plan: RunPlan) -> int:
     return int(getattr(plan["target_engine"].options, "capture_batch_size", 8))
 
 
-def _share(n: int, epoch: int, seed: int, rank: int, world_size: int, equal: bool = True) -> list[int]:
+def prepared_samples(plan: RunPlan, engine: Any) -> tuple[list[Any], list[Any], Any]:
+    """(train samples, eval samples, the train file's preparation report) for a capturing run."""
+    from .capture import data_paths
+    from .data.prepare import prepare_file
+
+    train_path, eval_path = data_paths(plan, engine)
+    options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
+    samples, report = prepare_file(train_path, engine.tokenizer, **options)
+    if plan.data.max_samples:
+        samples = samples[: plan.data.max_samples]
+    if not samples:
+        raise SpecforgeError(f"{train_path} gave no usable training sample: {report.summary()}")
+    eval_samples = prepare_file(eval_path, engine.tokenizer, **options)[0] if eval_path else []
+    return samples, eval_samples, report
+
+
+def stream_sample_id(sample: Any, epoch: int) -> str:
+    """The id of one sample's training event: one sample seen in two epochs is two events."""
+    return f"{sample.sample_id}@e{epoch}"
+
+
+def put_captured(store: Any, samples: list[Any], captured: list[dict[str, Any]], *, epoch: int,
+                 strategy: str) -> list[Any]:
+    """Put one captured batch of training samples of ``epoch``; their refs, in order."""
+    refs = []
+    for sample, features in zip(samples, captured):
+        meta = {"split": "train", "source": sample.source, "num_tokens": len(sample.input_ids), "epoch": epoch,
+                "strategy": strategy}
+        refs.append(store.put(stream_sample_id(sample, epoch), features, meta))
+    return refs
+
+
+def epoch_order(n: int, epoch: int, seed: int, rank: int = 0, world_size: int = 1, equal: bool = True) -> list[int]:
     """This rank's sample indices for an epoch: the same split rule as the fixed-refs loader."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     end = (n // world_size) * world_size if equal else n
@@ -90,8 +123,6 @@ class OnlineSource:
 
     def __init__(self, plan: RunPlan, strategy: Any, context: BuildContext, *, build: Callable[[str], Any],
                  window: int) -> None:
-        from .capture import data_paths
-        from .data.prepare import prepare_file
         from .features import frozen_fingerprint
 
         self.plan = plan
@@ -101,15 +132,7 @@ class OnlineSource:
         self.capture_plan = strategy.capture_plan(self.target)
         self._frozen = self.engine.frozen_parts()
         self.fingerprint = frozen_fingerprint(self._frozen)
-        train_path, eval_path = data_paths(plan, self.engine)
-        options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only,
-                       strict=plan.data.strict)
-        self.samples, self.report = prepare_file(train_path, self.engine.tokenizer, **options)
-        if plan.data.max_samples:
-            self.samples = self.samples[: plan.data.max_samples]
-        self.eval_samples = prepare_file(eval_path, self.engine.tokenizer, **options)[0] if eval_path else []
-        if not self.samples:
-            raise SpecforgeError(f"{train_path} gave no usable training sample: {self.report.summary()}")
+        self.samples, self.eval_samples, self.report = prepared_samples(plan, self.engine)
         self.store = build("feature_store")
         self.control = build("control_plane")
         self.window = threading.BoundedSemaphore(window)
@@ -155,7 +178,7 @@ class OnlineSource:
                                          drop_last=False)
 
     # ------------------------------------------------------------------ producer
-    def start(self, skip_samples: int = 0) -> None:
+    def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Start capturing this rank's share, epoch after epoch, after ``skip_samples`` (resume)."""
         self._thread = threading.Thread(target=self._produce, args=(skip_samples,), name="specforge-capture",
                                         daemon=True)
@@ -170,7 +193,7 @@ class OnlineSource:
         batch_size = capture_batch_size(self.plan)
         try:
             for epoch in range(skip // per_epoch, self.plan.train.epochs):
-                share = _share(len(self.samples), epoch, self._seed, self._rank, self._world)
+                share = epoch_order(len(self.samples), epoch, self._seed, self._rank, self._world)
                 if epoch == skip // per_epoch:
                     share = share[skip % per_epoch:]
                 for start in range(0, len(share), batch_size):
@@ -181,12 +204,8 @@ class OnlineSource:
                                 return
                     if self._stop.is_set():
                         return
-                    refs = []
-                    for sample, features in zip(batch, capture_batch(self.engine, self.capture_plan, batch)):
-                        meta = {"split": "train", "source": sample.source, "num_tokens": len(sample.input_ids),
-                                "epoch": epoch, "strategy": name}
-                        # One sample seen in two epochs is two training events: distinct ids.
-                        refs.append(self.store.put(f"{sample.sample_id}@e{epoch}", features, meta))
+                    refs = put_captured(self.store, batch, capture_batch(self.engine, self.capture_plan, batch),
+                                        epoch=epoch, strategy=name)
                     channel.publish(metadata.commit(refs))
             channel.close()
         except BaseException as exc:  # noqa: BLE001 - the trainer sees it through the channel
@@ -210,3 +229,129 @@ class OnlineSource:
             self._thread.join(timeout=30)
         self.control.close()
         self.store.close()
+
+
+class StreamSource:
+    """The consumer of a disaggregated run: train from what a producer streams into ``--features DIR``.
+
+    Waits for the producer's ``stream`` record (up to the control plane's
+    ``idle_timeout_s``), then reads target info, frozen parts and token counts from the
+    directory like an offline run, eval samples from its store, and training refs from the
+    control plane's channel (this rank's shard). Exactly once across crashes:
+
+    - an ack at each optimizer boundary records the samples with their global step, durably;
+    - their files are deleted only once a checkpoint covers that step, so a consumer that
+      crashes and resumes from its last checkpoint finds them again;
+    - on start, samples acked after the checkpoint being resumed are made pending again
+      (their training was lost with the crash) and the channel is re-read from its start
+      skipping what stays acked: the resumed run sees the same samples in the same order
+      as one that never crashed.
+    """
+
+    streaming = True
+
+    def __init__(self, plan: RunPlan, strategy: Any, context: BuildContext, *,
+                 sync: Callable[[], None] = lambda: None) -> None:
+        from .builtin import DiskStoreOptions
+        from .feature_stores.disk import DiskFeatureStore
+        from .features import STORE_DIR, FeatureSet
+        from .producer import StreamError, stream_control
+
+        assert plan.features is not None
+        self.plan = plan
+        self.sync = sync
+        self.control = stream_control(plan, context)
+        try:
+            self.record = _wait_for_stream(plan.features, self.control.channel.idle_timeout_s)
+            self.features = FeatureSet.open(plan.features)
+            self.target = self.features.target
+            self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
+            if plan.train.max_steps is None and self.record["epochs"] != plan.train.epochs:
+                raise StreamError(
+                    f"the producer streams {self.record['epochs']} epoch(s) of {self.record['train_samples']} samples "
+                    f"into {plan.features}, but this consumer plans train.epochs={plan.train.epochs}; set "
+                    f"train.epochs={self.record['epochs']} (or train.max_steps) so that it trains what is streamed")
+            self.store = DiskFeatureStore(DiskStoreOptions(path=os.path.join(plan.features, STORE_DIR),
+                                                           consume_once=True), context)
+        except BaseException:
+            self.control.close()
+            raise
+        self.eval_refs = sorted((ref for ref in self.store.scan() if ref.meta.get("split") == "eval"),
+                                key=lambda ref: ref.sample_id)
+        self.fingerprint = self.features.fingerprint
+        self.loader: Any = None
+        self._unreleased: list[tuple[int, list[str]]] = []  # (ack step, sample ids), oldest first
+
+    def frozen_parts(self) -> dict[str, Any]:
+        return self.features.frozen_parts()
+
+    def suggested_train_options(self) -> dict[str, Any]:
+        """The producer's target engine's suggested train defaults (as an online run applies them)."""
+        return dict(self.record.get("suggested_train_options", {}))
+
+    def stats(self) -> Any:
+        from .protocols import DataStats
+
+        return DataStats(token_counts=self.features.stats().token_counts, num_samples=self.record["train_samples"])
+
+    def samples_per_rank(self, world_size: int) -> int:
+        return self.record["train_samples"] // world_size
+
+    def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
+        self.loader = FeatureDataLoader(self.store, collate, channel=self.control.channel, batch_size=batch_size,
+                                        release="on_complete", poll_timeout_s=0.5)
+        return self.loader
+
+    def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
+        if not self.eval_refs:
+            return None
+        return lambda: FeatureDataLoader(self.store, collate, refs=self.eval_refs, batch_size=batch_size,
+                                         shuffle=False, drop_last=False, rank=rank, world_size=world_size,
+                                         equal_shares=False, release="never")
+
+    def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
+        """Take up the stream after the checkpoint of ``global_step`` (0: from the beginning)."""
+        self.control.metadata.requeue_acked_after(global_step)
+        self.sync()  # every rank sees the requeued samples before any rank re-reads the channel
+        for ref in self.control.resume_consumer().acked:  # covered by the checkpoint: free what a crash left
+            self.store.release(ref)
+
+    def ack(self, sample_ids: list[str], global_step: int) -> None:
+        """Durable ack of one optimizer window; the files stay until a checkpoint covers it."""
+        self.control.metadata.ack(sample_ids, global_step)
+        self.control.channel.report_consumed(len(sample_ids))
+        self._unreleased.append((global_step, list(sample_ids)))
+
+    def checkpointed(self, global_step: int) -> None:
+        """Delete the samples a checkpoint now covers: a resume can no longer need them."""
+        while self._unreleased and self._unreleased[0][0] <= global_step:
+            self.loader.complete(self._unreleased.pop(0)[1])
+
+    def close(self) -> None:
+        self.control.close()
+        if hasattr(self, "store"):
+            self.store.close()
+
+
+def _wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
+    """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
+    import sys
+    import time
+
+    from .producer import StreamError, read_stream_record
+
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        record = read_stream_record(root)
+        if record is not None:
+            return record
+        if time.monotonic() >= deadline:
+            raise StreamError(f"no producer started a stream in {root} within {wait_s:g}s "
+                              "(control_plane.idle_timeout_s): start `specforge run --role producer --features "
+                              f"{root}` with the same strategy and data, or point --features at the directory it "
+                              "writes")
+        if not told:
+            print(f"waiting for a producer to stream into {root} ...", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

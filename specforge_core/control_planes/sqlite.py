@@ -171,6 +171,20 @@ class SqliteMetadataStore:
                 raise unknown_ids_error(list(dict.fromkeys(unknown)))  # __exit__ rolls the batch back
             db.execute("UPDATE counters SET value = MAX(value, ?) WHERE name = 'durable_step'", (global_step,))
 
+    def requeue_acked_after(self, global_step: int) -> int:
+        """Make the samples acked after ``global_step`` pending again; how many there were.
+
+        For a consumer resuming from the checkpoint of ``global_step``: what it trained on
+        after that checkpoint was lost with the crash, so those samples must be trained on
+        again. The durable step comes down to ``global_step`` with them.
+        """
+        if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+            raise ControlPlaneError(f"requeue_acked_after needs a global step >= 0, got {global_step!r}")
+        with self._transaction() as db:
+            count = db.execute("UPDATE samples SET acked_step = NULL WHERE acked_step > ?", (global_step,)).rowcount
+            db.execute("UPDATE counters SET value = MIN(value, ?) WHERE name = 'durable_step'", (global_step,))
+        return count
+
     def durable_step(self) -> int:
         return self._query("SELECT value FROM counters WHERE name = 'durable_step'")[0][0]
 

@@ -61,7 +61,8 @@ class Trainer:
                  output_dir: str | Path, run_id: str, total_steps: int, contract: dict[str, Any],
                  hooks: Any = None, ack: Callable[[Sequence[str], int], None] | None = None,
                  evaluator: Any = None, best_metric: str = "loss", best_mode: str = "min",
-                 summary_extra: dict[str, Any] | None = None) -> None:
+                 summary_extra: dict[str, Any] | None = None,
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
         self.strategy = strategy
         self.info = info
         self.train = train
@@ -72,6 +73,7 @@ class Trainer:
         self.contract = contract
         self.hooks = hooks
         self.ack = ack
+        self.on_checkpoint = on_checkpoint  # told the global step of each checkpoint once it is durable
         self.evaluator = evaluator
         self.best_metric = best_metric
         self.best_mode = best_mode
@@ -226,6 +228,8 @@ class Trainer:
         }
         path = self.checkpoints.save(global_step=self.state.global_step, model=self.model, optimizer=self.optimizer,
                                      trainer_state=trainer_state, is_best=is_best)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.state.global_step)
         if self.info.is_main and self.hooks is not None:
             self.hooks.specforge_checkpoint_saved(run_id=self.run_id, global_step=self.state.global_step, path=str(path))
         return path

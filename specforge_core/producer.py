@@ -1,0 +1,153 @@
+"""The producer of a disaggregated run: capture target features into a shared directory.
+
+``specforge run --role producer --features DIR`` and ``specforge run --role consumer
+--features DIR`` are two processes that share ``DIR`` (on one host: the sqlite control
+plane's WAL needs local locks and shared memory)::
+
+    DIR/manifest.json               a features directory (see :mod:`.features`), plus a
+    DIR/frozen_parts.safetensors    ``stream`` record the consumer waits for: sample counts,
+    DIR/token_counts.safetensors    epochs and the seed of the stream's sample order
+    DIR/store/                      the disk store: eval samples (kept) and the training
+                                    stream (deleted once a consumer checkpoint covers them)
+    DIR/control/                    the sqlite control plane: metadata.sqlite (commits, acks
+                                    with their global step) and refs.jsonl (the ref channel)
+
+The producer captures the eval split once, then the training samples epoch by epoch in the
+order an online run would train them (shuffled per epoch with ``train.seed``), and for each
+captured batch: puts the features, commits the refs (deduplicated by sample id) and
+publishes the fresh ones, pausing while the consumers are ``high_watermark`` refs behind.
+
+A producer that crashed or was stopped is started again with the same command: refs it
+committed but never published are published, samples already committed are not captured
+again, and the stream goes on where it stopped. A producer that fails with an error fails
+the channel, so the consumers stop with that error instead of waiting for more samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .config import RunPlan
+from .errors import SpecforgeError
+from .protocols import BuildContext
+
+CONTROL_DIR = "control"
+STREAM_KEY = "stream"
+
+
+class StreamError(SpecforgeError):
+    """A disaggregated stream cannot be produced or consumed as asked."""
+
+
+def stream_control(plan: RunPlan, context: BuildContext) -> Any:
+    """The sqlite control plane in ``FEATURES/control`` (or its ``path`` option), opened in ``context.role``."""
+    from .control_planes.sqlite import SqliteControlPlane
+
+    options = plan["control_plane"].options
+    if options.path is None:
+        options = attrs.evolve(options, path=os.path.join(str(plan.features), CONTROL_DIR))
+    return SqliteControlPlane(options, context)
+
+
+def read_stream_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``stream`` record of a features directory's manifest, or None before a producer wrote it."""
+    from .features import MANIFEST
+
+    try:
+        manifest = json.loads((Path(root) / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    record = manifest.get(STREAM_KEY)
+    return record if isinstance(record, dict) else None
+
+
+def _write_stream_record(root: Path, record: dict[str, Any]) -> None:
+    """Add the ``stream`` record to the manifest: from now on consumers may start."""
+    from .features import MANIFEST
+    from .fileio import atomic_write_text
+
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest[STREAM_KEY] = record
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
+    """Capture ``plan``'s data into the shared ``plan.features`` directory and stream it; resumable."""
+    from tqdm import tqdm
+
+    from .capture import capture_batch, capture_components, capture_into, supervised_token_counts
+    from .features import create_feature_set, save_token_counts
+    from .options import options_to_dict
+    from .sources import capture_batch_size, epoch_order, prepared_samples, put_captured, stream_sample_id
+
+    assert plan.features is not None
+    context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
+    name = plan["strategy"].spec.name
+    samples, eval_samples, report = prepared_samples(plan, engine)
+    batch_size = capture_batch_size(plan)
+    epochs, seed = plan.train.epochs, plan.train.seed
+    suggest = getattr(engine, "suggested_train_options", None)
+    # The consumer has no target engine: it applies the engine's suggested train defaults from here.
+    record = {"train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs, "seed": seed,
+              "suggested_train_options": dict(suggest()) if suggest is not None else {}}
+    previous = read_stream_record(plan.features)
+    if previous is not None and previous != record:
+        changed = sorted(k for k in record if previous.get(k) != record.get(k))
+        raise StreamError(f"{plan.features} already streams {previous}; this producer would stream {record} "
+                          f"({', '.join(changed)} differ). A stream cannot change under its consumers: use the same "
+                          "data and train options, or a new --features directory")
+    root, store = create_feature_set(plan.features, strategy=name,
+                                     strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
+                                     target=target, frozen_parts=engine.frozen_parts(), context=context)
+    control = None
+    try:
+        captured_eval = {ref.sample_id for ref in store.scan() if ref.meta.get("split") == "eval"}
+        with tqdm(desc="capture eval", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
+            for _ in capture_into(store, engine, capture_plan, eval_samples, batch_size=batch_size, split="eval",
+                                  strategy=name, skip=captured_eval, progress=progress):
+                pass
+        save_token_counts(root, supervised_token_counts(((s.input_ids, s.loss_mask) for s in samples),
+                                                        target.vocab_size))
+        _write_stream_record(root, record)
+        control = stream_control(plan, context)
+        channel, metadata = control.channel, control.metadata
+        republished = control.resume_producer()
+        known = metadata.reconcile()
+        committed = {ref.sample_id for ref in (*known.acked, *known.pending)}
+        published = 0
+        total = epochs * len(samples)
+        with tqdm(desc="capture train", total=total, initial=len(committed), unit="sample", dynamic_ncols=True,
+                  mininterval=0.5) as progress:
+            for epoch in range(epochs):
+                order = [samples[i] for i in epoch_order(len(samples), epoch, seed)]
+                todo = [s for s in order if stream_sample_id(s, epoch) not in committed]
+                for start in range(0, len(todo), batch_size):
+                    batch = todo[start:start + batch_size]
+                    refs = put_captured(store, batch, capture_batch(engine, capture_plan, batch), epoch=epoch,
+                                        strategy=name)
+                    fresh = metadata.commit(refs)
+                    channel.publish(fresh)  # waits while the consumers are high_watermark refs behind
+                    published += len(fresh)
+                    progress.update(len(batch))
+        channel.close()
+    except Exception as exc:
+        if control is not None:  # the consumers stop with this error rather than wait for samples
+            control.channel.fail(f"the producer failed: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if control is not None:
+            control.close()
+        store.close()
+    result = {"features": str(root), "published": published + republished, "reused": len(committed),
+              "train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs,
+              "data": report.summary()}
+    Path(plan.output).mkdir(parents=True, exist_ok=True)
+    from .fileio import atomic_write_text
+
+    atomic_write_text(Path(plan.output) / "producer_summary.json", json.dumps(result, indent=2, sort_keys=True))
+    return result

@@ -1,0 +1,250 @@
+"""The disaggregated topology: a producer process and a consumer process sharing a directory.
+
+Real processes through the public CLI, a real (tiny toy) target, the real sqlite control
+plane and disk store. The ``example`` strategy and the ``linear`` test plugin (for its
+crash hook: ``SF_TEST_CRASH_AT`` hard-exits at that step) are installed into a fake site.
+"""
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sf_helpers import SPECFORGE, run_specforge
+from specforge_core.control_planes.sqlite import SqliteMetadataStore
+from specforge_core.errors import ControlPlaneError
+from specforge_core.testing import FakeSite
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "specforge-plugin-example" / "src" / "specforge_plugin_example"
+LINEAR = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
+SAMPLES, BATCH = 24, 2
+STEPS = SAMPLES // BATCH
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from specforge_plugin_hf.toy import build_toy_target
+
+    return build_toy_target(tmp_path_factory.mktemp("toy") / "tiny", "tiny", progress=False)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    site = FakeSite(tmp_path_factory.mktemp("disaggregated-site"))
+    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
+             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
+                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
+    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin_dis"},
+             modules={"sf_linear_plugin_dis": LINEAR})
+    yield site
+    site.cleanup()
+
+
+def common(tiny, *extra):
+    return ["--strategy", "example", "--set", f"target_engine.model={tiny}", "--set", f"data.max_samples={SAMPLES}",
+            "--set", f"train.batch_size={BATCH}", "--set", "train.real_eval_prompts=0", "--set", "train.export=false",
+            *extra]
+
+
+def start_producer(site, tiny, shared, out, *extra):
+    env = site.env()
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", SPECFORGE_STRICT_PLUGINS="1")
+    return subprocess.Popen([SPECFORGE, "run", "--role", "producer", "--features", str(shared), "--output", str(out),
+                             *common(tiny, *extra)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(proc, timeout=300):
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"producer exited {proc.returncode}\n{stdout}\n{stderr[-4000:]}"
+    return stdout
+
+
+def consume(site, tiny, shared, out, *extra, env_extra=None, expect=0):
+    return run_specforge("run", "--role", "consumer", "--features", str(shared), "--output", str(out),
+                         *common(tiny, *extra), env=site.env(**(env_extra or {})), expect=expect)
+
+
+def losses(run):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+def stats(shared):
+    store = SqliteMetadataStore(str(shared / "control" / "metadata.sqlite"))
+    try:
+        return {**store.stats(), "durable_step": store.durable_step()}
+    finally:
+        store.close()
+
+
+def sample_files(shared):
+    return sorted(p.name for p in (shared / "store").rglob("*.safetensors"))
+
+
+def published_ids(shared):
+    records = [json.loads(line) for line in (shared / "control" / "refs.jsonl").read_text().splitlines()]
+    return [r["ref"]["sample_id"] for r in records if r["kind"] == "ref"]
+
+
+@pytest.fixture(scope="module")
+def reference(site, tiny, tmp_path_factory):
+    """The same training as an online colocated run: what a disaggregated run must reproduce."""
+    run = tmp_path_factory.mktemp("reference") / "online"
+    run_specforge("run", "--output", str(run), *common(tiny, "--set", "train.save_every=2"), env=site.env())
+    return losses(run)
+
+
+@pytest.fixture(scope="module")
+def streamed(site, tiny, reference, tmp_path_factory):
+    """One finished producer + consumer pair."""
+    base = tmp_path_factory.mktemp("streamed")
+    shared = base / "shared"
+    producer = start_producer(site, tiny, shared, base / "producer")
+    proc = consume(site, tiny, shared, base / "consumer")
+    return shared, base, finish(producer), proc
+
+
+def test_producer_and_consumer_train_every_sample_once_as_an_online_run_would(streamed, reference):
+    shared, base, producer_out, consumer = streamed
+    summary = json.loads((base / "consumer" / "summary.json").read_text())
+    assert summary["topology"] == "disaggregated-consumer" and summary["steps"] == STEPS
+    # the producer's engine suggestions reach the consumer, and the samples come in the online order
+    assert summary["train_options_suggested_by_engine"] == {"warmup_steps": 50, "lr": 0.001}
+    assert losses(base / "consumer") == reference
+    assert stats(shared) == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0,
+                             "durable_step": STEPS}
+    stream = json.loads((shared / "manifest.json").read_text())["stream"]
+    assert stream["train_samples"] == SAMPLES and stream["epochs"] == 1
+    # every training file was deleted once a checkpoint covered it; the eval split is kept
+    assert len(sample_files(shared)) == stream["eval_samples"] > 0
+    assert sorted(published_ids(shared)) == sorted(set(published_ids(shared)))
+    assert len(published_ids(shared)) == SAMPLES
+    assert json.loads((base / "producer" / "producer_summary.json").read_text())["published"] == SAMPLES
+    assert f"done: published {SAMPLES} samples (0 already committed before this start)" in producer_out
+
+
+def test_a_crashed_consumer_resumes_without_losing_or_repeating_a_sample(site, tiny, reference, tmp_path):
+    shared = tmp_path / "shared"
+    producer = start_producer(site, tiny, shared, tmp_path / "producer")
+    crashed = consume(site, tiny, shared, tmp_path / "consumer", "--set", "train.save_every=2",
+                      env_extra={"SF_TEST_CRASH_AT": "5"}, expect=None)
+    finish(producer)
+    assert crashed.returncode == 17
+    assert (tmp_path / "consumer" / "latest").read_text().strip() == "run-step4"
+    # step 5 was acked durably, but its training died with the process: its files must still be there
+    assert stats(shared)["acked"] == 5 * BATCH and stats(shared)["durable_step"] == 5
+    eval_samples = json.loads((shared / "manifest.json").read_text())["stream"]["eval_samples"]
+    assert len(sample_files(shared)) == eval_samples + SAMPLES - 4 * BATCH  # steps 1-4 freed by checkpoint 4
+    consume(site, tiny, shared, tmp_path / "consumer", "--set", "train.save_every=2", "--resume", "latest")
+    assert losses(tmp_path / "consumer") == reference
+    assert stats(shared) == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0,
+                             "durable_step": STEPS}
+    assert len(sample_files(shared)) == eval_samples
+
+
+def test_a_killed_producer_restarts_and_publishes_each_sample_once(site, tiny, reference, tmp_path):
+    shared = tmp_path / "shared"
+    # capture batches of 4; publishing pauses while 4 refs are unconsumed
+    backpressure = ("--set", "target_engine.capture_batch_size=4", "--set", "control_plane.high_watermark=4",
+                    "--set", "control_plane.low_watermark=2")
+    producer = start_producer(site, tiny, shared, tmp_path / "producer", *backpressure)
+    refs = shared / "control" / "refs.jsonl"
+    deadline = time.monotonic() + 240
+    while not (refs.exists() and len(published_ids(shared)) >= 4):  # then it waits for a consumer
+        assert producer.poll() is None, producer.communicate()
+        assert time.monotonic() < deadline, "the producer published nothing"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert len(published_ids(shared)) == 4  # paused at the high watermark
+    producer.send_signal(signal.SIGKILL)
+    producer.wait()
+    restarted = start_producer(site, tiny, shared, tmp_path / "producer", *backpressure)
+    consume(site, tiny, shared, tmp_path / "consumer")
+    out = finish(restarted)
+    assert "already committed before this start" in out
+    ids = published_ids(shared)
+    assert len(ids) == len(set(ids)) == SAMPLES
+    assert stats(shared) == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0,
+                             "durable_step": STEPS}
+    assert losses(tmp_path / "consumer") == reference
+
+
+def test_two_consumer_ranks_share_the_stream_and_train_each_sample_once(site, tiny, tmp_path):
+    shared = tmp_path / "shared"
+    producer = start_producer(site, tiny, shared, tmp_path / "producer")
+    run_specforge("run", "--role", "consumer", "--features", str(shared), "--output", str(tmp_path / "consumer"),
+                  *common(tiny), env=site.env(), ranks=2)
+    finish(producer)
+    summary = json.loads((tmp_path / "consumer" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == SAMPLES // 2 // BATCH
+    assert stats(shared) == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0,
+                             "durable_step": SAMPLES // 2 // BATCH}
+    eval_samples = json.loads((shared / "manifest.json").read_text())["stream"]["eval_samples"]
+    assert len(sample_files(shared)) == eval_samples
+
+
+def test_a_consumer_with_no_producer_stops_with_a_clear_error(site, tiny, tmp_path):
+    proc = consume(site, tiny, tmp_path / "nobody", tmp_path / "consumer", "--set", "control_plane.idle_timeout_s=1",
+                   expect=None)
+    assert proc.returncode == 1
+    assert (f"no producer started a stream in {tmp_path / 'nobody'} within 1s (control_plane.idle_timeout_s): "
+            f"start `specforge run --role producer --features {tmp_path / 'nobody'}`") in proc.stderr
+    assert not (tmp_path / "consumer" / "summary.json").exists()
+
+
+def test_a_consumer_planning_other_epochs_than_the_stream_is_refused(site, tiny, streamed):
+    shared, base, _, _ = streamed
+    proc = consume(site, tiny, shared, base / "other", "--set", "train.epochs=2", expect=None)
+    assert proc.returncode == 1
+    assert (f"the producer streams 1 epoch(s) of {SAMPLES} samples into {shared}, but this consumer plans "
+            "train.epochs=2; set train.epochs=1") in proc.stderr
+    assert stats(shared)["acked"] == SAMPLES  # nothing requeued or changed
+
+
+def test_a_producer_restarted_with_other_data_is_refused(site, tiny, streamed):
+    shared, base, _, _ = streamed
+    producer = subprocess.run([SPECFORGE, "run", "--role", "producer", "--features", str(shared), "--output",
+                               str(base / "again"), *common(tiny, "--set", "data.max_samples=10")],
+                              env={**site.env(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                              capture_output=True, text=True, timeout=300)
+    assert producer.returncode == 1
+    assert f"{shared} already streams" in producer.stderr and "(train_samples differ)" in producer.stderr
+    assert len(published_ids(shared)) == SAMPLES
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--role", "consumer"], "--role consumer needs --features DIR: the directory the producer and the consumer share"),
+    (["--role", "producer", "--features", "x", "--feature-store", "memory"],
+     "--role producer exchanges samples through the shared directory's disk feature store; "
+     "feature_store='memory' cannot be shared between the processes"),
+    (["--role", "consumer", "--features", "x", "--control-plane", "local"],
+     "--role consumer exchanges samples through the shared directory's sqlite control plane; "
+     "control_plane='local' cannot be shared"),
+])
+def test_role_options_that_cannot_work_are_refused_before_anything_runs(site, args, message, tmp_path):
+    proc = run_specforge("run", "--strategy", "example", *args, "--dry-run", env=site.env(), expect=2)
+    assert message in proc.stderr
+
+
+def test_requeue_acked_after_makes_later_acks_pending_again(tmp_path):
+    from specforge_core.contracts import SampleRef
+
+    store = SqliteMetadataStore(str(tmp_path / "m.sqlite"))
+    refs = [SampleRef(sample_id=f"s{i}", run_id="r", store="memory://x", features={}) for i in range(6)]
+    store.commit(refs)
+    for step in (1, 2, 3):
+        store.ack([f"s{2 * step - 2}", f"s{2 * step - 1}"], step)
+    assert store.requeue_acked_after(1) == 4
+    reconciled = store.reconcile()
+    assert [r.sample_id for r in reconciled.acked] == ["s0", "s1"]
+    assert [r.sample_id for r in reconciled.pending] == ["s2", "s3", "s4", "s5"]
+    assert store.durable_step() == 1 and store.requeue_acked_after(1) == 0
+    with pytest.raises(ControlPlaneError, match="requeue_acked_after needs a global step >= 0, got -1"):
+        store.requeue_acked_after(-1)
+    assert store.stats()["acked"] == 2
+    store.close()
