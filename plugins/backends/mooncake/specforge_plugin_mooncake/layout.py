@@ -1,0 +1,201 @@
+"""How one sample generation is laid out in one Mooncake object: a safetensors blob.
+
+::
+
+    u64 little-endian header length N
+    N bytes of JSON header, padded with spaces so the tensor data starts 64-byte aligned
+    tensor bytes, back to back, largest element size first (each tensor aligned to its dtype)
+
+The header is safetensors' own (``{name: {dtype, shape, data_offsets}}`` plus a
+``__metadata__`` map of strings), so an object fetched by hand loads with
+``safetensors.torch.load``. Its metadata says which sample and generation the object
+holds (``specforge.key``) and, with checksums on, a crc32 per 4 MiB block of each tensor
+(``specforge.crc32``). Nothing here unpickles: an object is data, never code.
+
+:func:`encode` returns the header and one flat byte view per tensor, so a put can hand
+Mooncake the tensors' own memory without first copying them into one buffer;
+:func:`decode` checks a received object completely (header, exact size, identity, shapes,
+checksums) before returning tensors that are views into the received buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping
+
+import torch
+
+from specforge_core.contracts import FeatureSpec
+from specforge_core.dtypes import SAFETENSORS_DTYPES, dtype_name, dtype_size, safetensors_code, torch_dtype
+
+FORMAT = "specforge-mooncake/1"
+_FORMAT_KEY = "specforge.format"
+_KEY_KEY = "specforge.key"  # "<generation>:<ascii() of the sample id>"
+_CRC_KEY = "specforge.crc32"  # {"name": [crc of each 4 MiB block]}
+_ALIGN = 64
+_HEADER_LIMIT = 100 * 2**20  # the largest header safetensors itself accepts
+CRC_BLOCK = 4 * 2**20
+
+
+class LayoutError(ValueError):
+    """A received object is not a complete, matching sample (the text says why)."""
+
+
+def identity(sample_id: str, generation: int) -> str:
+    return f"{generation}:{sample_id!a}"
+
+
+def encode(sample_id: str, generation: int, tensors: Mapping[str, torch.Tensor], *,
+           checksums: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(header, parts)``: the object is ``header`` followed by every part, in order.
+
+    ``tensors`` must be contiguous CPU tensors. Each part is a flat ``uint8`` view of one
+    tensor's memory (no copy); the header is a ``uint8`` tensor of its own.
+    """
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    entries: dict[str, dict] = {}
+    parts, offset = [], 0
+    for name in order:
+        tensor = tensors[name]
+        flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+        entries[name] = {"dtype": safetensors_code(dtype_name(tensor.dtype)), "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + flat.numel()]}
+        offset += flat.numel()
+        parts.append(flat)
+    metadata = {_FORMAT_KEY: FORMAT, _KEY_KEY: identity(sample_id, generation)}
+    if checksums:
+        metadata[_CRC_KEY] = json.dumps({name: block_crcs(part) for name, part in zip(order, parts)},
+                                        separators=(",", ":"))
+    text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode("utf-8")
+    padded = -(-(8 + len(text)) // _ALIGN) * _ALIGN - 8
+    header = bytearray(8 + padded)
+    header[:8] = padded.to_bytes(8, "little")
+    header[8:] = text + b" " * (padded - len(text))
+    return torch.frombuffer(header, dtype=torch.uint8), parts
+
+
+def header_room(sample_id: str, features: Mapping[str, FeatureSpec]) -> int:
+    """A generous bound on the header :func:`encode` writes for such a sample.
+
+    A get sizes its receive buffer as tensor bytes plus this, so one round trip fetches the
+    whole object; a header that outgrows it costs one more round trip, never an error.
+    """
+    blocks = sum(-(-spec.numel * dtype_size(spec.dtype) // CRC_BLOCK) + 1 for spec in features.values())
+    per_feature = sum(96 + 6 * len(name) + 22 * len(spec.shape) for name, spec in features.items())
+    return 512 + 6 * len(sample_id) + per_feature + 12 * blocks + _ALIGN
+
+
+def decode(buffer: torch.Tensor, size: int, *, sample_id: str, generation: int,
+           features: Mapping[str, FeatureSpec], names: list[str], verify: bool) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the object held in ``buffer[:size]``, as views into ``buffer``.
+
+    Raises :class:`LayoutError` unless the header is well formed, describes exactly
+    ``size`` bytes, names this sample and generation, matches the ref's shapes and dtypes,
+    and (``verify``, when the object has them) every block's crc32 matches.
+    """
+    if size < 8:
+        raise LayoutError(f"it is {size} bytes, shorter than a header")
+    length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+    if length > min(size - 8, _HEADER_LIMIT):
+        raise LayoutError(f"its header claims {length} bytes but the object is {size} (truncated)")
+    try:
+        raw = json.loads(buffer[8:8 + length].numpy().tobytes().decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        raise LayoutError(f"its header is not JSON ({exc})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("__metadata__"), dict):
+        raise LayoutError("its header is not a specforge sample header")
+    metadata = raw.pop("__metadata__")
+    if metadata.get(_FORMAT_KEY) != FORMAT:
+        raise LayoutError(f"its format is {metadata.get(_FORMAT_KEY)!r}, not {FORMAT!r}")
+    if metadata.get(_KEY_KEY) != identity(sample_id, generation):
+        raise LayoutError(f"it records {metadata.get(_KEY_KEY)} (generation:sample id), but the ref names "
+                          f"{identity(sample_id, generation)}")
+    data_start, entries = 8 + length, _check_entries(raw, size - 8 - length)
+    crcs = _recorded_crcs(metadata) if verify else None
+    tensors = {}
+    for name in names:
+        if name not in entries:
+            raise LayoutError(f"it has no tensor {name!r}, which the ref lists")
+        dtype, shape, start, end = entries[name]
+        want = features[name]
+        if dtype != want.dtype or shape != tuple(want.shape):
+            raise LayoutError(f"feature {name!r} is {dtype}{list(shape)} but the ref says "
+                              f"{want.dtype}{list(want.shape)}")
+        flat = buffer[data_start + start:data_start + end]
+        if crcs is not None and name in crcs and block_crcs(flat) != crcs[name]:
+            raise LayoutError(f"feature {name!r} fails its crc32 check: its bytes changed after the put")
+        torch_type = torch_dtype(dtype)
+        tensors[name] = flat.view(torch_type).view(shape) if flat.numel() else torch.empty(shape, dtype=torch_type)
+    return tensors
+
+
+def _check_entries(raw: dict, data_bytes: int) -> dict[str, tuple]:
+    """``{name: (dtype, shape, start, end)}``, checked to tile ``data_bytes`` exactly."""
+    entries, spans = {}, []
+    for name, entry in raw.items():
+        try:
+            dtype, itemsize = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(entry["shape"])
+            start, end = entry["data_offsets"]
+            numbers = (*shape, start, end)
+            if set(map(type, numbers)) - {int} or min(numbers) < 0:
+                raise ValueError("shape and offsets must be non-negative integers")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LayoutError(f"its header entry for {name!r} is malformed ({exc!r})") from None
+        if end - start != math.prod(shape) * itemsize or start % itemsize:
+            raise LayoutError(f"feature {name!r} spans bytes {start}..{end}, which does not fit {dtype}{list(shape)}")
+        entries[name] = (dtype, shape, start, end)
+        spans.append((start, end))
+    covered = 0
+    for start, end in sorted(spans):
+        if start != covered:
+            raise LayoutError(f"its tensors leave a gap or overlap at byte {start} of the data")
+        covered = end
+    if covered != data_bytes:
+        raise LayoutError(f"its header describes {covered} bytes of tensor data but the object holds {data_bytes} "
+                          "(truncated, or extra bytes appended)")
+    return entries
+
+
+def _recorded_crcs(metadata: dict) -> dict[str, list[int]] | None:
+    if _CRC_KEY not in metadata:
+        return None  # written with checksums off: the size and identity checks still ran
+    try:
+        crcs = json.loads(metadata[_CRC_KEY])
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"its recorded crc32s are malformed ({exc})") from None
+    if not isinstance(crcs, dict):
+        raise LayoutError("its recorded crc32s are not a map")
+    return crcs
+
+
+# -- crc32 per block, on several cores ---------------------------------------------------
+#
+# zlib.crc32 releases the GIL, so blocks of one tensor are checked in parallel threads.
+# A list of block crcs (rather than one combined crc) keeps that parallel without any
+# crc arithmetic.
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def block_crcs(flat: torch.Tensor) -> list[int]:
+    """The crc32 of each ``CRC_BLOCK`` bytes of the flat ``uint8`` tensor ``flat``."""
+    data = flat.numpy()
+    blocks = [data[start:start + CRC_BLOCK] for start in range(0, data.nbytes, CRC_BLOCK)] or [data]
+    if len(blocks) == 1:
+        return [zlib.crc32(blocks[0])]
+    return list(_threads().map(zlib.crc32, blocks))
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="specforge-mc-crc")
+        return _pool
