@@ -209,6 +209,8 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
         spec = manager.get(kind, str(name))
         components[kind] = ResolvedComponent(spec=spec, options=spec.build_options(body))
     check_capabilities(components["strategy"].spec, components["target_engine"].spec)
+    if role is not None:
+        _check_role_store(role, components["feature_store"].spec)
     train = build_options(TrainOptions, _section(raw, "train"), section="train")
     data = build_options(DataOptions, _section(raw, "data"), section="data")
     run_id = str(raw.get("run_id") or "run")
@@ -225,13 +227,18 @@ def _check_role(raw: Mapping[str, Any], role: Any, features: Any) -> None:
     if not features:
         raise OptionError(f"--role {role} needs --features DIR: the directory the producer and the consumer share "
                           "(features, target parts and the control plane's database and ref channel)")
-    wanted = {"feature_store": "disk", "control_plane": "sqlite"}
-    for kind, name in wanted.items():
-        chosen = _section(raw, kind).get("name")
-        if chosen is not None and chosen != name:
-            raise OptionError(f"--role {role} exchanges samples through the shared directory's {name} "
-                              f"{kind.replace('_', ' ')}; {kind}={chosen!r} cannot be shared between the processes "
-                              f"(leave {kind} unset)")
+    chosen = _section(raw, "control_plane").get("name")
+    if chosen is not None and chosen != "sqlite":
+        raise OptionError(f"--role {role} exchanges refs through the shared directory's sqlite control plane; "
+                          f"control_plane={chosen!r} cannot be shared between the processes (leave it unset)")
+
+
+def _check_role_store(role: str, spec: ComponentSpec) -> None:
+    """The training stream's feature store must be one that separate processes share."""
+    if "cross_process" not in spec.capabilities:
+        raise OptionError(f"--role {role} needs a feature store that separate processes share (capability "
+                          f"cross_process); feature_store={spec.name!r} keeps tensors inside one process. Use disk "
+                          "(the default: the features directory's store) or a network store such as mooncake")
 
 
 def with_suggested_train_options(plan: RunPlan, suggested: Mapping[str, Any]) -> tuple[RunPlan, dict[str, Any]]:

@@ -7,8 +7,10 @@ plane's WAL needs local locks and shared memory)::
     DIR/manifest.json               a features directory (see :mod:`.features`), plus a
     DIR/frozen_parts.safetensors    ``stream`` record the consumer waits for: sample counts,
     DIR/token_counts.safetensors    epochs and the seed of the stream's sample order
-    DIR/store/                      the disk store: eval samples (kept) and the training
-                                    stream (deleted once a consumer checkpoint covers them)
+    DIR/store/                      the disk store: eval samples (kept) and, unless the run
+                                    names another cross-process feature store (mooncake),
+                                    the training stream (deleted once a consumer checkpoint
+                                    covers them)
     DIR/control/                    the sqlite control plane: metadata.sqlite (commits, acks
                                     with their global step) and refs.jsonl (the ref channel)
 
@@ -54,6 +56,16 @@ def stream_control(plan: RunPlan, context: BuildContext) -> Any:
     return SqliteControlPlane(options, context)
 
 
+def stream_store(plan: RunPlan, context: BuildContext) -> Any | None:
+    """The plan's own feature store for the training stream (e.g. ``mooncake``), or None for
+    ``disk``: then the stream goes through the features directory's store, ``DIR/store``."""
+    from .runtime import build_component
+
+    if plan["feature_store"].spec.name == "disk":
+        return None
+    return build_component(plan, "feature_store", context)
+
+
 def read_stream_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The ``stream`` record of a features directory's manifest, or None before a producer wrote it."""
     from .features import MANIFEST
@@ -74,6 +86,27 @@ def _write_stream_record(root: Path, record: dict[str, Any]) -> None:
     manifest = json.loads((root / MANIFEST).read_text())
     manifest[STREAM_KEY] = record
     atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def _stay_until_consumed(channel: Any) -> None:
+    """Wait until the consumers report every published ref consumed.
+
+    A store without the ``persistent`` capability (Mooncake) may hold samples in memory
+    this process lends to the cluster; they would vanish with it. Gives up with an error
+    when the consumers make no progress for the channel's ``idle_timeout_s``.
+    """
+    import time
+
+    seen, progress_at = channel.consumed(), time.monotonic()
+    while channel.backlog() > 0:
+        consumed = channel.consumed()
+        if consumed != seen:
+            seen, progress_at = consumed, time.monotonic()
+        elif time.monotonic() - progress_at > channel.idle_timeout_s:
+            raise StreamError(f"the consumers reported no progress for {channel.idle_timeout_s:g}s with "
+                              f"{channel.backlog()} samples unconsumed; this producer exits now, and the samples "
+                              "held in the memory it lends to the store go with it")
+        time.sleep(channel.poll_interval_s)
 
 
 def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
@@ -104,8 +137,9 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
     root, store = create_feature_set(plan.features, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
                                      target=target, frozen_parts=engine.frozen_parts(), context=context)
-    control = None
+    control = train_store = None
     try:
+        train_store = stream_store(plan, context) or store
         captured_eval = {ref.sample_id for ref in store.scan() if ref.meta.get("split") == "eval"}
         with tqdm(desc="capture eval", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
             for _ in capture_into(store, engine, capture_plan, eval_samples, batch_size=batch_size, split="eval",
@@ -128,13 +162,15 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
                 todo = [s for s in order if stream_sample_id(s, epoch) not in committed]
                 for start in range(0, len(todo), batch_size):
                     batch = todo[start:start + batch_size]
-                    refs = put_captured(store, batch, capture_batch(engine, capture_plan, batch), epoch=epoch,
+                    refs = put_captured(train_store, batch, capture_batch(engine, capture_plan, batch), epoch=epoch,
                                         strategy=name)
                     fresh = metadata.commit(refs)
                     channel.publish(fresh)  # waits while the consumers are high_watermark refs behind
                     published += len(fresh)
                     progress.update(len(batch))
         channel.close()
+        if train_store is not store and "persistent" not in plan["feature_store"].spec.capabilities:
+            _stay_until_consumed(channel)
     except Exception as exc:
         if control is not None:  # the consumers stop with this error rather than wait for samples
             control.channel.fail(f"the producer failed: {type(exc).__name__}: {exc}")
@@ -142,6 +178,8 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
     finally:
         if control is not None:
             control.close()
+        if train_store is not None and train_store is not store:
+            train_store.close()
         store.close()
     result = {"features": str(root), "published": published + republished, "reused": len(committed),
               "train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs,

@@ -255,7 +255,7 @@ class StreamSource:
         from .builtin import DiskStoreOptions
         from .feature_stores.disk import DiskFeatureStore
         from .features import STORE_DIR, FeatureSet
-        from .producer import StreamError, stream_control
+        from .producer import StreamError, stream_control, stream_store
 
         assert plan.features is not None
         self.plan = plan
@@ -271,12 +271,18 @@ class StreamSource:
                     f"the producer streams {self.record['epochs']} epoch(s) of {self.record['train_samples']} samples "
                     f"into {plan.features}, but this consumer plans train.epochs={plan.train.epochs}; set "
                     f"train.epochs={self.record['epochs']} (or train.max_steps) so that it trains what is streamed")
-            self.store = DiskFeatureStore(DiskStoreOptions(path=os.path.join(plan.features, STORE_DIR),
-                                                           consume_once=True), context)
+            directory = os.path.join(plan.features, STORE_DIR)
+            # The training stream: the plan's cross-process store, or the directory's disk store
+            # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
+            # come from the directory and are never released.
+            self.store = stream_store(plan, context)
+            self.eval_store = DiskFeatureStore(DiskStoreOptions(path=directory), context)
+            if self.store is None:
+                self.store = DiskFeatureStore(DiskStoreOptions(path=directory, consume_once=True), context)
         except BaseException:
-            self.control.close()
+            self.close()
             raise
-        self.eval_refs = sorted((ref for ref in self.store.scan() if ref.meta.get("split") == "eval"),
+        self.eval_refs = sorted((ref for ref in self.eval_store.scan() if ref.meta.get("split") == "eval"),
                                 key=lambda ref: ref.sample_id)
         self.fingerprint = self.features.fingerprint
         self.loader: Any = None
@@ -305,7 +311,7 @@ class StreamSource:
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
         if not self.eval_refs:
             return None
-        return lambda: FeatureDataLoader(self.store, collate, refs=self.eval_refs, batch_size=batch_size,
+        return lambda: FeatureDataLoader(self.eval_store, collate, refs=self.eval_refs, batch_size=batch_size,
                                          shuffle=False, drop_last=False, rank=rank, world_size=world_size,
                                          equal_shares=False, release="never")
 
@@ -329,8 +335,10 @@ class StreamSource:
 
     def close(self) -> None:
         self.control.close()
-        if hasattr(self, "store"):
-            self.store.close()
+        for name in ("store", "eval_store"):
+            store = getattr(self, name, None)
+            if store is not None:
+                store.close()
 
 
 def _wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:

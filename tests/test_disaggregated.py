@@ -220,10 +220,10 @@ def test_a_producer_restarted_with_other_data_is_refused(site, tiny, streamed):
 @pytest.mark.parametrize("args, message", [
     (["--role", "consumer"], "--role consumer needs --features DIR: the directory the producer and the consumer share"),
     (["--role", "producer", "--features", "x", "--feature-store", "memory"],
-     "--role producer exchanges samples through the shared directory's disk feature store; "
-     "feature_store='memory' cannot be shared between the processes"),
+     "--role producer needs a feature store that separate processes share (capability cross_process); "
+     "feature_store='memory' keeps tensors inside one process"),
     (["--role", "consumer", "--features", "x", "--control-plane", "local"],
-     "--role consumer exchanges samples through the shared directory's sqlite control plane; "
+     "--role consumer exchanges refs through the shared directory's sqlite control plane; "
      "control_plane='local' cannot be shared"),
 ])
 def test_role_options_that_cannot_work_are_refused_before_anything_runs(site, args, message, tmp_path):

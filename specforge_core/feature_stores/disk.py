@@ -24,7 +24,6 @@ import functools
 import hashlib
 import hmac
 import json
-import math
 import mmap
 import os
 import re
@@ -42,6 +41,7 @@ from safetensors.torch import save_file
 from ..contracts import SampleRef
 from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
 from ..fileio import fsync_dir
+from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
 from .base import BaseFeatureStore, stale_error
 
@@ -541,35 +541,10 @@ def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, 
     metadata = raw.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or set(map(type, metadata.values())) - {str}:
         raise _corrupt(path, "its __metadata__ is not a map of strings")
-    entries, spans = {}, []
-    for name, entry in raw.items():
-        try:
-            code = entry["dtype"]
-            if code not in SAFETENSORS_DTYPES:
-                raise ValueError(f"unknown safetensors dtype {code!r}; known: {sorted(SAFETENSORS_DTYPES)}")
-            dtype, itemsize = SAFETENSORS_DTYPES[code]
-            shape = tuple(entry["shape"])
-            start, end = entry["data_offsets"]
-            numbers = (*shape, start, end)
-            if set(map(type, numbers)) - {int} or min(numbers) < 0:
-                raise ValueError("shape and offsets must be non-negative integers")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _corrupt(path, f"its header entry for {name!r} is malformed ({exc})") from None
-        numel = math.prod(shape)
-        if end - start != numel * itemsize:
-            raise _corrupt(path, f"feature {name!r} spans bytes {start}..{end} but {dtype}{list(shape)} needs "
-                                 f"{numel * itemsize}")
-        entries[name] = (dtype, shape, start, end)
-        spans.append((start, end))
-    spans.sort()
-    covered = 0
-    for start, end in spans:
-        if start != covered:
-            raise _corrupt(path, f"its tensors leave a gap or overlap at byte {start} of the data")
-        covered = end
-    if covered != data_bytes:
-        raise _corrupt(path, f"its header describes {covered} bytes of tensor data but the file holds {data_bytes} "
-                             "(truncated, or extra bytes appended)")
+    try:
+        entries = check_entries(raw, data_bytes)
+    except HeaderError as exc:
+        raise _corrupt(path, str(exc)) from None
     return metadata, entries
 
 

@@ -21,7 +21,6 @@ checksums) before returning tensors that are views into the received buffer.
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import zlib
@@ -31,7 +30,8 @@ from typing import Mapping
 import torch
 
 from specforge_core.contracts import FeatureSpec
-from specforge_core.dtypes import SAFETENSORS_DTYPES, dtype_name, dtype_size, safetensors_code, torch_dtype
+from specforge_core.dtypes import dtype_name, dtype_size, safetensors_code, torch_dtype
+from specforge_core.safetensors_header import HeaderError, check_entries
 
 FORMAT = "specforge-mooncake/1"
 _FORMAT_KEY = "specforge.format"
@@ -135,31 +135,11 @@ def decode(buffer: torch.Tensor, size: int, *, sample_id: str, generation: int,
 
 
 def _check_entries(raw: dict, data_bytes: int) -> dict[str, tuple]:
-    """``{name: (dtype, shape, start, end)}``, checked to tile ``data_bytes`` exactly."""
-    entries, spans = {}, []
-    for name, entry in raw.items():
-        try:
-            dtype, itemsize = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(entry["shape"])
-            start, end = entry["data_offsets"]
-            numbers = (*shape, start, end)
-            if set(map(type, numbers)) - {int} or min(numbers) < 0:
-                raise ValueError("shape and offsets must be non-negative integers")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LayoutError(f"its header entry for {name!r} is malformed ({exc!r})") from None
-        if end - start != math.prod(shape) * itemsize or start % itemsize:
-            raise LayoutError(f"feature {name!r} spans bytes {start}..{end}, which does not fit {dtype}{list(shape)}")
-        entries[name] = (dtype, shape, start, end)
-        spans.append((start, end))
-    covered = 0
-    for start, end in sorted(spans):
-        if start != covered:
-            raise LayoutError(f"its tensors leave a gap or overlap at byte {start} of the data")
-        covered = end
-    if covered != data_bytes:
-        raise LayoutError(f"its header describes {covered} bytes of tensor data but the object holds {data_bytes} "
-                          "(truncated, or extra bytes appended)")
-    return entries
+    """``{name: (dtype, shape, start, end)}``, checked to tile ``data_bytes`` exactly, each aligned."""
+    try:
+        return check_entries(raw, data_bytes, container="object", aligned=True)
+    except HeaderError as exc:
+        raise LayoutError(str(exc)) from None
 
 
 def _recorded_crcs(metadata: dict) -> dict[str, list[int]] | None:
