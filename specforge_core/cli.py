@@ -115,7 +115,8 @@ def _component_option(kind: str) -> Any:
 @click.option("--output", default=None, type=click.Path(file_okay=False), help="Run output directory.")
 @click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
 @click.option("--features", default=None, type=click.Path(file_okay=False),
-              help="Train offline from a features directory written by `specforge capture`.")
+              help="Train offline from a features directory written by `specforge capture`; with --role, "
+                   "the directory a producer streams into.")
 @click.option("--role", type=click.Choice(["producer", "consumer"]), default=None,
               help="Disaggregated run: `producer` captures target features into --features DIR while a "
                    "`consumer` (another process sharing DIR) trains from them, each sample exactly once.")

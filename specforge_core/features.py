@@ -160,12 +160,15 @@ def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_
     path.mkdir(parents=True, exist_ok=True)
     fingerprint = frozen_fingerprint(frozen_parts)
     manifest_path = path / MANIFEST
+    kept: dict[str, Any] = {}
     if manifest_path.exists():
         existing = json.loads(manifest_path.read_text())
         if existing.get("frozen_fingerprint") != fingerprint or existing.get("strategy") != strategy:
             raise FeatureSetError(f"{path} already holds features of another target or strategy "
                                   f"({existing.get('strategy')}); use a new --output directory")
-    manifest = {
+        # a restarted stream producer keeps its stream record: consumers may read it meanwhile
+        kept = {k: existing[k] for k in ("stream",) if k in existing}
+    manifest = {**kept,
         "format": FORMAT, "version": VERSION, "strategy": strategy, "strategy_options": dict(strategy_options),
         "capture_plan": plan_to_dict(plan), "target": attrs.asdict(target), "frozen_fingerprint": fingerprint,
         "complete": False, "samples": {},

@@ -21,8 +21,11 @@ publishes the fresh ones, pausing while the consumers are ``high_watermark`` ref
 
 A producer that crashed or was stopped is started again with the same command: refs it
 committed but never published are published, samples already committed are not captured
-again, and the stream goes on where it stopped. A producer that fails with an error fails
-the channel, so the consumers stop with that error instead of waiting for more samples.
+again, and the stream goes on where it stopped (a finished stream publishes nothing). A
+producer that fails with an error fails the channel, so the consumers stop with that error
+instead of waiting for more samples. One producer runs per stream (``control/producer.lock``),
+as one process. With a store that is not persistent (Mooncake) the producer stays until the
+consumers finished training, since samples may live in memory it lends.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ from .protocols import BuildContext
 
 CONTROL_DIR = "control"
 STREAM_KEY = "stream"
+#: Control-plane markers: the highest step whose samples a consumer deleted after a checkpoint
+#: covered them, and the step a consumer finished training at.
+RELEASED_MARKER = "stream.released_through_step"
+FINISHED_MARKER = "stream.consumer_finished"
 
 
 class StreamError(SpecforgeError):
@@ -54,6 +61,25 @@ def stream_control(plan: RunPlan, context: BuildContext) -> Any:
     if options.path is None:
         options = attrs.evolve(options, path=os.path.join(str(plan.features), CONTROL_DIR))
     return SqliteControlPlane(options, context)
+
+
+def hold_lock(path: str, holder: str) -> int:
+    """Take the exclusive lock file ``path`` for this process (released when it exits); its fd.
+
+    Two producers of one stream would capture and put the same samples twice, and two
+    consumer groups would train them twice: each side holds a lock for as long as it runs.
+    """
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StreamError(f"another {holder} is running on this stream (it holds {path}); one runs at a time. "
+                          "Stop it first, or use another --features directory for another run") from None
+    return fd
 
 
 def stream_store(plan: RunPlan, context: BuildContext) -> Any | None:
@@ -88,29 +114,42 @@ def _write_stream_record(root: Path, record: dict[str, Any]) -> None:
     atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
 
 
-def _stay_until_consumed(channel: Any) -> None:
-    """Wait until the consumers report every published ref consumed.
+def _stay_until_trained(metadata: Any, idle_timeout_s: float) -> None:
+    """Wait until the consumers finished training (their last checkpoint written).
 
     A store without the ``persistent`` capability (Mooncake) may hold samples in memory
-    this process lends to the cluster; they would vanish with it. Gives up with an error
-    when the consumers make no progress for the channel's ``idle_timeout_s``.
+    this process lends to the cluster; they would vanish with it, and a consumer resuming
+    from its last checkpoint needs every sample acked after it. Gives up with an error when
+    the consumers ack nothing for ``idle_timeout_s``.
     """
     import time
 
-    seen, progress_at = channel.consumed(), time.monotonic()
-    while channel.backlog() > 0:
-        consumed = channel.consumed()
-        if consumed != seen:
-            seen, progress_at = consumed, time.monotonic()
-        elif time.monotonic() - progress_at > channel.idle_timeout_s:
-            raise StreamError(f"the consumers reported no progress for {channel.idle_timeout_s:g}s with "
-                              f"{channel.backlog()} samples unconsumed; this producer exits now, and the samples "
-                              "held in the memory it lends to the store go with it")
-        time.sleep(channel.poll_interval_s)
+    seen, progress_at = metadata.stats()["acked"], time.monotonic()
+    while metadata.get_marker(FINISHED_MARKER) is None:
+        acked = metadata.stats()["acked"]
+        if acked != seen:
+            seen, progress_at = acked, time.monotonic()
+        elif time.monotonic() - progress_at > idle_timeout_s:
+            raise StreamError(f"the consumers acked no sample for {idle_timeout_s:g}s and have not finished; this "
+                              "producer exits now, and the samples held in the memory it lends to the store go "
+                              "with it")
+        time.sleep(0.5)
 
 
 def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
     """Capture ``plan``'s data into the shared ``plan.features`` directory and stream it; resumable."""
+    assert plan.features is not None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise StreamError("a producer runs as one process (it captures the whole stream; consumers split it); "
+                          "start it without torchrun")
+    lock = hold_lock(os.path.join(str(plan.features), CONTROL_DIR, "producer.lock"), "producer")
+    try:
+        return _produce(plan)
+    finally:
+        os.close(lock)
+
+
+def _produce(plan: RunPlan) -> dict[str, Any]:
     from tqdm import tqdm
 
     from .capture import capture_batch, capture_components, capture_into, supervised_token_counts
@@ -170,7 +209,7 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
                     progress.update(len(batch))
         channel.close()
         if train_store is not store and "persistent" not in plan["feature_store"].spec.capabilities:
-            _stay_until_consumed(channel)
+            _stay_until_trained(metadata, channel.idle_timeout_s)
     except Exception as exc:
         if control is not None:  # the consumers stop with this error rather than wait for samples
             control.channel.fail(f"the producer failed: {type(exc).__name__}: {exc}")

@@ -116,6 +116,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
                      global_step=trainer.state.global_step)
         summary = trainer.fit()
+        if hasattr(source, "finish"):
+            source.finish(trainer.state.global_step)
         summary = finalize(plan, strategy, trainer, source, info, context, summary)
         if info.is_main:
             manager.hook.specforge_run_finished(run_id=plan.run_id, output_dir=str(plan.output), summary=summary)

@@ -255,13 +255,17 @@ class StreamSource:
         from .builtin import DiskStoreOptions
         from .feature_stores.disk import DiskFeatureStore
         from .features import STORE_DIR, FeatureSet
-        from .producer import StreamError, stream_control, stream_store
+        from .producer import CONTROL_DIR, StreamError, hold_lock, stream_control, stream_store
 
         assert plan.features is not None
         self.plan = plan
         self.sync = sync
-        self.control = stream_control(plan, context)
+        self.rank = context.rank
+        self._lock = hold_lock(os.path.join(plan.features, CONTROL_DIR, f"consumer.rank{context.rank}.lock"),
+                               f"consumer (rank {context.rank})")
+        self.control: Any = None
         try:
+            self.control = stream_control(plan, context)
             self.record = _wait_for_stream(plan.features, self.control.channel.idle_timeout_s)
             self.features = FeatureSet.open(plan.features)
             self.target = self.features.target
@@ -279,11 +283,11 @@ class StreamSource:
             self.eval_store = DiskFeatureStore(DiskStoreOptions(path=directory), context)
             if self.store is None:
                 self.store = DiskFeatureStore(DiskStoreOptions(path=directory, consume_once=True), context)
+            self.eval_refs = sorted((ref for ref in self.eval_store.scan() if ref.meta.get("split") == "eval"),
+                                    key=lambda ref: ref.sample_id)
         except BaseException:
             self.close()
             raise
-        self.eval_refs = sorted((ref for ref in self.eval_store.scan() if ref.meta.get("split") == "eval"),
-                                key=lambda ref: ref.sample_id)
         self.fingerprint = self.features.fingerprint
         self.loader: Any = None
         self._unreleased: list[tuple[int, list[str]]] = []  # (ack step, sample ids), oldest first
@@ -316,8 +320,22 @@ class StreamSource:
                                          equal_shares=False, release="never")
 
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
-        """Take up the stream after the checkpoint of ``global_step`` (0: from the beginning)."""
-        self.control.metadata.requeue_acked_after(global_step)
+        """Take up the stream after the checkpoint of ``global_step`` (0: from the beginning).
+
+        Refused when samples trained after that checkpoint were already deleted (a later
+        checkpoint covered them): starting over, or from an older checkpoint, would need them.
+        """
+        from .producer import RELEASED_MARKER, StreamError
+
+        metadata = self.control.metadata
+        released = int(metadata.get_marker(RELEASED_MARKER, 0))
+        if global_step < released:
+            where = "from the beginning" if global_step == 0 else f"from the checkpoint of step {global_step}"
+            raise StreamError(
+                f"the samples trained up to step {released} of the stream in {self.plan.features} were deleted after "
+                f"a checkpoint covered them, so this consumer cannot start {where}: resume from the latest "
+                "checkpoint (--resume latest), or stream into a new --features directory for a new run")
+        metadata.requeue_acked_after(global_step)
         self.sync()  # every rank sees the requeued samples before any rank re-reads the channel
         for ref in self.control.resume_consumer().acked:  # covered by the checkpoint: free what a crash left
             self.store.release(ref)
@@ -329,16 +347,34 @@ class StreamSource:
         self._unreleased.append((global_step, list(sample_ids)))
 
     def checkpointed(self, global_step: int) -> None:
-        """Delete the samples a checkpoint now covers: a resume can no longer need them."""
+        """Delete the samples a checkpoint now covers: a resume can no longer need them.
+
+        The step is recorded first, so that no later start can ask for a deleted sample.
+        """
+        from .producer import RELEASED_MARKER
+
+        if self._unreleased and self._unreleased[0][0] <= global_step:
+            self.control.metadata.set_marker(RELEASED_MARKER, global_step)
         while self._unreleased and self._unreleased[0][0] <= global_step:
             self.loader.complete(self._unreleased.pop(0)[1])
 
+    def finish(self, global_step: int) -> None:
+        """Training ended normally at ``global_step`` (its checkpoint written): tell the producer."""
+        from .producer import FINISHED_MARKER
+
+        if self.rank == 0:
+            self.control.metadata.set_marker(FINISHED_MARKER, {"step": global_step})
+
     def close(self) -> None:
-        self.control.close()
+        if getattr(self, "control", None) is not None:
+            self.control.close()
         for name in ("store", "eval_store"):
             store = getattr(self, name, None)
             if store is not None:
                 store.close()
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 def _wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:

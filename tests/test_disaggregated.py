@@ -6,6 +6,7 @@ crash hook: ``SF_TEST_CRASH_AT`` hard-exits at that step) are installed into a f
 """
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -145,6 +146,8 @@ def test_a_crashed_consumer_resumes_without_losing_or_repeating_a_sample(site, t
     assert stats(shared) == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0,
                              "durable_step": STEPS}
     assert len(sample_files(shared)) == eval_samples
+    # the requeued step-5 samples are counted consumed once, not twice (producer backpressure)
+    assert json.loads((shared / "control" / "consumed.0.json").read_text())["consumed"] == SAMPLES
 
 
 def test_a_killed_producer_restarts_and_publishes_each_sample_once(site, tiny, reference, tmp_path):
@@ -215,6 +218,49 @@ def test_a_producer_restarted_with_other_data_is_refused(site, tiny, streamed):
     assert producer.returncode == 1
     assert f"{shared} already streams" in producer.stderr and "(train_samples differ)" in producer.stderr
     assert len(published_ids(shared)) == SAMPLES
+
+
+def test_a_fresh_consumer_on_a_stream_whose_samples_were_deleted_is_refused(site, tiny, streamed):
+    shared, base, _, _ = streamed
+    before = stats(shared)
+    proc = consume(site, tiny, shared, base / "fresh", expect=None)
+    assert proc.returncode == 1
+    assert (f"the samples trained up to step {STEPS} of the stream in {shared} were deleted after a checkpoint "
+            "covered them, so this consumer cannot start from the beginning: resume from the latest checkpoint "
+            "(--resume latest)") in proc.stderr
+    assert stats(shared) == before  # no ack was undone
+
+
+def test_a_finished_producer_started_again_publishes_nothing_and_exits_cleanly(site, tiny, streamed):
+    shared, base, _, _ = streamed
+    out = finish(start_producer(site, tiny, shared, base / "producer-again"))
+    assert f"done: published 0 samples ({SAMPLES} already committed before this start)" in out
+    assert len(published_ids(shared)) == SAMPLES
+
+
+def test_a_second_producer_or_consumer_of_one_stream_is_refused(site, tiny, streamed):
+    from specforge_core.producer import hold_lock
+
+    shared, base, _, _ = streamed
+    for role, lock in (("producer", "producer.lock"), ("consumer", "consumer.rank0.lock")):
+        held = hold_lock(str(shared / "control" / lock), "test")  # as a running process would
+        try:
+            proc = run_specforge("run", "--role", role, "--features", str(shared), "--output", str(base / role),
+                                 *common(tiny), env=site.env(), expect=None)
+        finally:
+            os.close(held)
+        assert proc.returncode == 1
+        holder = "producer" if role == "producer" else "consumer (rank 0)"
+        assert f"another {holder} is running on this stream (it holds {shared / 'control' / lock})" in proc.stderr
+    assert len(published_ids(shared)) == SAMPLES
+
+
+def test_a_producer_under_torchrun_is_refused(site, tiny, tmp_path):
+    proc = run_specforge("run", "--role", "producer", "--features", str(tmp_path / "shared"), "--output",
+                         str(tmp_path / "p"), *common(tiny), env=site.env(WORLD_SIZE="2"), expect=None)
+    assert proc.returncode == 1
+    assert "a producer runs as one process" in proc.stderr
+    assert not (tmp_path / "shared").exists()
 
 
 @pytest.mark.parametrize("args, message", [

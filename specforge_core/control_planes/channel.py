@@ -564,7 +564,30 @@ class FileChannel(_RefChannelBase):
             reader.close()
         return ids
 
+    def shard_sample_ids(self) -> list[str]:
+        """The sample ids of this consumer's shard, in file order (a full read; for restarts only)."""
+        ids, index = [], 0
+        reader = _JsonlTail(self.refs_path, self._read_chunk_bytes)
+        try:
+            for line_no, line in reader.read_all():
+                record = _decode(line, reader.path, line_no)
+                if record["kind"] == "ref":
+                    if index % self.world_size == self.rank:
+                        ids.append(record["ref"].sample_id)
+                    index += 1
+        finally:
+            reader.close()
+        return ids
+
     # ---- consumer ----------------------------------------------------------------------
+    def reset_consumed(self, count: int) -> None:
+        """Set this rank's consumed count to ``count`` (a restarted consumer whose earlier
+        reports included samples it must train again)."""
+        with self._cond:
+            self._consumed_base, self._reported, self._delivered = count, 0, 0
+            self._store_consumed()
+            self._cond.notify_all()
+
     def skip(self, sample_ids: Iterable[str]) -> None:
         """Never hand out refs with these sample ids (already acked before a restart)."""
         with self._cond:

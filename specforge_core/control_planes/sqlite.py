@@ -266,7 +266,11 @@ class SqliteControlPlane:
         reconciliation's ``acked`` refs are the ones to release from the feature store.
         """
         reconciliation = self.metadata.reconcile()
-        self.channel.skip(ref.sample_id for ref in reconciliation.acked)
+        acked = {ref.sample_id for ref in reconciliation.acked}
+        self.channel.skip(acked)
+        # What this rank reported consumed before may include samples now pending again:
+        # the producer's backpressure counts only what stays acked.
+        self.channel.reset_consumed(sum(sid in acked for sid in self.channel.shard_sample_ids()))
         return reconciliation
 
     def resume_producer(self) -> int:
@@ -278,7 +282,8 @@ class SqliteControlPlane:
         pending = self.metadata.reconcile().pending
         published = self.channel.published_sample_ids()
         missing = [ref for ref in pending if ref.sample_id not in published]
-        self.channel.publish(missing)
+        if missing:  # a stream that was closed already has nothing missing
+            self.channel.publish(missing)
         return len(missing)
 
     def close(self) -> None:

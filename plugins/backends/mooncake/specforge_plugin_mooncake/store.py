@@ -28,8 +28,8 @@ Design, and why:
   once the old object is gone). The small head objects are force-deleted: a reader checks
   their content, and losing one only turns a later "stale" message into "not found".
 - **Eviction.** With ``pin`` (the default) objects are hard-pinned, so a full cluster makes
-  a put raise :class:`StoreFullError` (the producer backs off) instead of silently dropping
-  samples a consumer still needs. Unpinned objects may be evicted; a get of one raises
+  a put raise :class:`StoreFullError` (nothing stored is lost; the put stores nothing)
+  instead of silently dropping samples a consumer still needs. Unpinned objects may be evicted; a get of one raises
   :class:`SampleNotFoundError` naming the sample and the key.
 - **Checks.** A get fetches the whole object with one ``get_into`` into a fresh buffer sized
   from the ref, then checks header, exact size, identity and (``checksums``) crc32s before
