@@ -82,14 +82,26 @@ def hold_lock(path: str, holder: str) -> int:
     return fd
 
 
+def stream_id(features: str | os.PathLike[str]) -> str:
+    """The name both sides of a stream agree on without being told: from the shared directory."""
+    import hashlib
+
+    return "stream-" + hashlib.sha256(os.path.realpath(features).encode()).hexdigest()[:16]
+
+
 def stream_store(plan: RunPlan, context: BuildContext) -> Any | None:
     """The plan's own feature store for the training stream (e.g. ``mooncake``), or None for
-    ``disk``: then the stream goes through the features directory's store, ``DIR/store``."""
+    ``disk``: then the stream goes through the features directory's store, ``DIR/store``.
+
+    The store is built with the stream's id as its run id, so a store that names its data
+    after the run (Mooncake's default namespace) keeps two streams on one server apart.
+    """
     from .runtime import build_component
 
     if plan["feature_store"].spec.name == "disk":
         return None
-    return build_component(plan, "feature_store", context)
+    assert plan.features is not None
+    return build_component(plan, "feature_store", attrs.evolve(context, run_id=stream_id(plan.features)))
 
 
 def read_stream_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from specforge_core.control_planes.sqlite import SqliteMetadataStore
+from specforge_core.producer import stream_id
 
 SPECFORGE = str(Path(sys.executable).parent / "specforge")
 SAMPLES, BATCH = 16, 2
@@ -23,7 +24,7 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPECFORGE_STRICT_PLUGINS": "1"}
 
 
-def test_producer_and_consumer_stream_training_samples_through_mooncake(master, namespace, tmp_path):
+def test_producer_and_consumer_stream_training_samples_through_mooncake(master, tmp_path):
     from specforge_plugin_hf.toy import build_toy_target
 
     tiny = build_toy_target(tmp_path / "tiny", "tiny", progress=False)
@@ -31,7 +32,6 @@ def test_producer_and_consumer_stream_training_samples_through_mooncake(master, 
     common = ["--strategy", "eagle3", "--features", str(shared), "--feature-store", "mooncake",
               "--set", f"feature_store.master_address={master.master_address}",
               "--set", f"feature_store.metadata_server={master.metadata_server}",
-              "--set", f"feature_store.namespace={namespace}",
               "--set", f"feature_store.global_segment_size={64 * 2**20}",
               "--set", f"feature_store.local_buffer_size={16 * 2**20}",
               "--set", f"target_engine.model={tiny}", "--set", f"data.max_samples={SAMPLES}",
@@ -53,7 +53,8 @@ def test_producer_and_consumer_stream_training_samples_through_mooncake(master, 
         refs = metadata.reconcile().acked
     finally:
         metadata.close()
-    assert all(ref.store.startswith("mooncake://") for ref in refs)
+    # with no namespace set, both sides named the stream after the shared directory
+    assert {ref.store for ref in refs} == {f"mooncake://{master.master_address}/{stream_id(shared)}"}
     # only the eval split went to the directory's disk store; the training samples went through Mooncake
     stream = json.loads((shared / "manifest.json").read_text())["stream"]
     assert len(list((shared / "store").rglob("*.safetensors"))) == stream["eval_samples"]
