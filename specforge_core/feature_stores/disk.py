@@ -20,18 +20,14 @@ file is data, never code: nothing here unpickles.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import json
 import mmap
 import os
 import re
-import threading
 import time
 import uuid
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import attrs
@@ -40,6 +36,7 @@ from safetensors.torch import save_file
 
 from ..contracts import SampleRef
 from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
+from ..checksums import crc32
 from ..fileio import fsync_dir
 from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
@@ -183,7 +180,7 @@ class DiskFeatureStore(BaseFeatureStore):
 
     def _store(self, draft: SampleRef, tensors: dict[str, torch.Tensor]) -> SampleRef:
         tensors = _unshared(tensors)
-        crcs = json.dumps({name: _crc32(tensor) for name, tensor in tensors.items()})
+        crcs = json.dumps({name: crc32(tensor) for name, tensor in tensors.items()})
         shard, stem = self._locate(draft.sample_id)
         tmp = os.path.join(shard, f".{stem}.{uuid.uuid4().hex[:12]}.tmp")
         try:
@@ -262,7 +259,7 @@ class DiskFeatureStore(BaseFeatureStore):
         if self.verify_checksums:
             crcs = _recorded_crcs(header)
             for name, tensor in tensors.items():
-                actual = _crc32(tensor)
+                actual = crc32(tensor)
                 if actual != crcs.get(name):
                     raise _corrupt(path, f"feature {name!r} fails its crc32 check (recorded {crcs.get(name)}, "
                                          f"read {actual}): its bytes changed after they were written")
@@ -374,67 +371,6 @@ def _check_manifest(root: str, manifest: str, token: str | None) -> None:
             f"the token does not match the one disk store {root} was created with; check that this job should "
             "use this directory (feature_store.path) and pass that store's token"
         )
-
-
-# -- crc32 of a tensor, on several cores --------------------------------------------------
-#
-# One zlib.crc32 runs at about 2-3 GB/s, well below a warm sequential read, so a large
-# tensor is split into blocks whose crcs are computed in threads (zlib releases the GIL)
-# and joined with crc32_combine. The recorded value stays the plain crc32 of the tensor's
-# bytes, which any tool can recompute.
-
-_CRC_BLOCK = 4 << 20
-_CRC_POLY = 0xEDB88320  # reflected crc32 polynomial, as in zlib
-_crc_pool: ThreadPoolExecutor | None = None
-_crc_pool_lock = threading.Lock()
-
-
-def _crc32(tensor: torch.Tensor) -> int:
-    data = tensor.reshape(-1).view(torch.uint8).numpy()
-    if data.nbytes <= _CRC_BLOCK:
-        return zlib.crc32(data)
-    blocks = [data[start:start + _CRC_BLOCK] for start in range(0, data.nbytes, _CRC_BLOCK)]
-    crc = 0
-    for block, block_crc in zip(blocks, _crc_threads().map(zlib.crc32, blocks)):
-        crc = _crc32_combine(crc, block_crc, block.nbytes)
-    return crc
-
-
-def _crc_threads() -> ThreadPoolExecutor:
-    global _crc_pool
-    with _crc_pool_lock:
-        if _crc_pool is None:
-            _crc_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="specforge-crc")
-        return _crc_pool
-
-
-def _gf2_multiply(a: int, b: int) -> int:
-    """a * b modulo the crc32 polynomial (bit-reflected, as zlib's multmodp)."""
-    product, mask = 0, 1 << 31
-    while mask:
-        if a & mask:
-            product ^= b
-        mask >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return product
-
-
-def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32(A + B) from crc1 = crc32(A), crc2 = crc32(B) and len(B) (zlib's crc32_combine)."""
-    return _gf2_multiply(_shift_by_bytes(len2), crc1) ^ crc2
-
-
-@functools.lru_cache(maxsize=64)
-def _shift_by_bytes(nbytes: int) -> int:
-    """x^(8 * nbytes) modulo the polynomial; cached, since every block but a tensor's last has one size."""
-    shift, power = 1 << 31, 1 << 30  # x^0 and x^1
-    bits = nbytes * 8
-    while bits:  # square-and-multiply
-        if bits & 1:
-            shift = _gf2_multiply(power, shift)
-        power = _gf2_multiply(power, power)
-        bits >>= 1
-    return shift
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

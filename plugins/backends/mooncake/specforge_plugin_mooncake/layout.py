@@ -21,14 +21,11 @@ checksums) before returning tensors that are views into the received buffer.
 from __future__ import annotations
 
 import json
-import os
-import threading
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import torch
 
+from specforge_core.checksums import CRC_BLOCK, block_crcs
 from specforge_core.contracts import FeatureSpec
 from specforge_core.dtypes import dtype_name, dtype_size, safetensors_code, torch_dtype
 from specforge_core.safetensors_header import HeaderError, check_entries
@@ -39,7 +36,6 @@ _KEY_KEY = "specforge.key"  # "<generation>:<ascii() of the sample id>"
 _CRC_KEY = "specforge.crc32"  # {"name": [crc of each 4 MiB block]}
 _ALIGN = 64
 _HEADER_LIMIT = 100 * 2**20  # the largest header safetensors itself accepts
-CRC_BLOCK = 4 * 2**20
 
 
 class LayoutError(ValueError):
@@ -152,30 +148,3 @@ def _recorded_crcs(metadata: dict) -> dict[str, list[int]] | None:
     if not isinstance(crcs, dict):
         raise LayoutError("its recorded crc32s are not a map")
     return crcs
-
-
-# -- crc32 per block, on several cores ---------------------------------------------------
-#
-# zlib.crc32 releases the GIL, so blocks of one tensor are checked in parallel threads.
-# A list of block crcs (rather than one combined crc) keeps that parallel without any
-# crc arithmetic.
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def block_crcs(flat: torch.Tensor) -> list[int]:
-    """The crc32 of each ``CRC_BLOCK`` bytes of the flat ``uint8`` tensor ``flat``."""
-    data = flat.numpy()
-    blocks = [data[start:start + CRC_BLOCK] for start in range(0, data.nbytes, CRC_BLOCK)] or [data]
-    if len(blocks) == 1:
-        return [zlib.crc32(blocks[0])]
-    return list(_threads().map(zlib.crc32, blocks))
-
-
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="specforge-mc-crc")
-        return _pool
