@@ -61,15 +61,26 @@ class OfflineSource:
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
         if not self.eval_refs:
             return None
-        return lambda: FeatureDataLoader(self.store, collate, refs=self.eval_refs, batch_size=batch_size,
-                                         shuffle=False, drop_last=False, rank=rank, world_size=world_size,
-                                         equal_shares=False)
+        return lambda: eval_loader(self.store, self.eval_refs, collate, batch_size, rank, world_size)
 
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Nothing to start: the loader seeks by itself on resume."""
 
     def close(self) -> None:
         self.store.close()
+
+
+def stream_loader(store: Any, channel: Any, collate: Callable, batch_size: int) -> FeatureDataLoader:
+    """Training batches from a ref channel; samples are released when the trainer completes them."""
+    return FeatureDataLoader(store, collate, channel=channel, batch_size=batch_size, release="on_complete",
+                             poll_timeout_s=0.5)
+
+
+def eval_loader(store: Any, refs: list[Any], collate: Callable, batch_size: int, rank: int,
+                world_size: int) -> FeatureDataLoader:
+    """This rank's share of fixed eval refs, in order, every sample (no short-batch drop), never released."""
+    return FeatureDataLoader(store, collate, refs=refs, batch_size=batch_size, shuffle=False, drop_last=False,
+                             rank=rank, world_size=world_size, equal_shares=False, release="never")
 
 
 def capture_batch_size(plan: RunPlan) -> int:
@@ -157,8 +168,7 @@ class OnlineSource:
 
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
         self._seed, self._rank, self._world = seed, rank, world_size
-        self.loader = FeatureDataLoader(self.store, collate, channel=self.control.channel, batch_size=batch_size,
-                                        release="on_complete", poll_timeout_s=0.5)
+        self.loader = stream_loader(self.store, self.control.channel, collate, batch_size)
         return self.loader
 
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
@@ -174,8 +184,7 @@ class OnlineSource:
         refs = list(capture_into(store, self.engine, self.capture_plan, mine,
                                  batch_size=capture_batch_size(self.plan), split="eval",
                                  strategy=self.plan["strategy"].spec.name))
-        return lambda: FeatureDataLoader(store, collate, refs=refs, batch_size=batch_size, shuffle=False,
-                                         drop_last=False)
+        return lambda: eval_loader(store, refs, collate, batch_size, rank=0, world_size=1)  # already this rank's
 
     # ------------------------------------------------------------------ producer
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
@@ -308,16 +317,13 @@ class StreamSource:
         return self.record["train_samples"] // world_size
 
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
-        self.loader = FeatureDataLoader(self.store, collate, channel=self.control.channel, batch_size=batch_size,
-                                        release="on_complete", poll_timeout_s=0.5)
+        self.loader = stream_loader(self.store, self.control.channel, collate, batch_size)
         return self.loader
 
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
         if not self.eval_refs:
             return None
-        return lambda: FeatureDataLoader(self.eval_store, collate, refs=self.eval_refs, batch_size=batch_size,
-                                         shuffle=False, drop_last=False, rank=rank, world_size=world_size,
-                                         equal_shares=False, release="never")
+        return lambda: eval_loader(self.eval_store, self.eval_refs, collate, batch_size, rank, world_size)
 
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Take up the stream after the checkpoint of ``global_step`` (0: from the beginning).
