@@ -25,6 +25,7 @@ import attrs
 
 from .errors import SpecforgeError
 from .fileio import fsync_dir
+from .hfconfig import config_value
 from .protocols import BuildContext, DataStats, TargetInfo
 
 if TYPE_CHECKING:
@@ -98,7 +99,9 @@ def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | o
     if not hasattr(strategy, "export"):
         raise ExportError(f"strategy {type(strategy).__name__} cannot export for serving")
     out = Path(out_dir)
-    created = _make_export_folder(out, ExportError)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"cannot export to {out}: it exists and is not a folder; choose another --output")
+    created = not out.exists()  # the strategy's writer makes the folder (and says what it left)
     try:
         strategy.export(model, str(out), target)
     except BaseException:
@@ -235,8 +238,7 @@ class ExportConfig:
 
     def get(self, name: str, default: Any = None) -> Any:
         """The raw value of ``name`` (no checks), for fields whose absence is meaningful."""
-        value = self.data.get(name)
-        return default if value is None else value
+        return config_value(self.data, name, default)
 
     def fail(self, message: str) -> ExportError:
         """The plugin's error for ``message`` about this file (raise it)."""

@@ -167,7 +167,8 @@ def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_
             raise FeatureSetError(f"{path} already holds features of another target or strategy "
                                   f"({existing.get('strategy')}); use a new --output directory")
         # a restarted stream producer keeps its stream record: consumers may read it meanwhile
-        kept = {k: existing[k] for k in ("stream",) if k in existing}
+        if "stream" in existing:
+            kept["stream"] = existing["stream"]
     manifest = {**kept,
         "format": FORMAT, "version": VERSION, "strategy": strategy, "strategy_options": dict(strategy_options),
         "capture_plan": plan_to_dict(plan), "target": attrs.asdict(target), "frozen_fingerprint": fingerprint,

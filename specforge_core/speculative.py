@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -53,15 +53,16 @@ def prompt_outputs(session: Any, prompt: torch.Tensor) -> dict[str, Any]:
 
 @torch.no_grad()
 def greedy_decode(engine: Any, prompt_ids: list[int], plan: CapturePlan, *, max_new_tokens: int,
-                  eos_token_id: int | None) -> list[int]:
+                  eos_token_id: int | Sequence[int] | None) -> list[int]:
     """The target's own greedy continuation of ``prompt_ids`` (the reference output)."""
+    stop = stop_token_ids(eos_token_id)
     session = engine.session(torch.tensor(prompt_ids, dtype=torch.long), plan)
     logits = session.prefill["logits"][-1]
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
         token = int(logits.argmax())
         tokens.append(token)
-        if token == eos_token_id:
+        if token in stop:
             break
         logits = session.extend(torch.tensor([token], dtype=torch.long))["logits"][-1]
     return tokens

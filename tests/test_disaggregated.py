@@ -277,6 +277,17 @@ def test_role_options_that_cannot_work_are_refused_before_anything_runs(site, ar
     assert message in proc.stderr
 
 
+def test_an_unknown_role_in_a_config_file_and_a_resumed_producer_are_refused(site, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("role: trainer\nfeatures: x\nstrategy: {name: example}\n")
+    proc = run_specforge("run", "--config", str(config), "--dry-run", env=site.env(), expect=2)
+    assert "unknown role 'trainer'; choose producer (captures features) or consumer (trains)" in proc.stderr
+    proc = run_specforge("run", "--strategy", "example", "--role", "producer", "--features", str(tmp_path / "x"),
+                         "--resume", "latest", env=site.env(), expect=2)
+    assert "a producer resumes by itself from its features directory; drop --resume" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_requeue_acked_after_makes_later_acks_pending_again(tmp_path):
     from specforge_core.contracts import SampleRef
 

@@ -113,6 +113,17 @@ def test_export_model_removes_the_folder_it_created_when_the_strategy_fails(tmp_
     assert snapshot(folder) == files
 
 
+class NaNConfigStrategy:
+    def export(self, model, out_dir, target):
+        write_export_files(out_dir, {"w": torch.zeros(1)}, {"scale": float("nan")}, error=FormatError)
+
+
+def test_export_model_into_a_new_folder_that_the_writer_refuses_says_nothing_was_written(tmp_path):
+    with pytest.raises(FormatError, match=rf"nothing was written to {re.escape(str(tmp_path / 'new'))}$"):
+        export_model(NaNConfigStrategy(), None, None, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
 # ---------------------------------------------------------------- reading
 def test_open_export_names_the_missing_file(tmp_path):
     with pytest.raises(FormatError, match=rf"^{re.escape(str(tmp_path))} is not a test draft \(no config.json\); "

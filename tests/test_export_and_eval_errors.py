@@ -91,3 +91,15 @@ def test_a_speculate_loop_that_changes_the_output_fails_the_lossless_check(tiny_
     with pytest.raises(LosslessError, match=r"prompt 0: speculative output differs from the target's greedy decode "
                                             r"at new token 2"):
         measure_acceptance(strategy, torch.nn.Identity(), tiny_engine, [prompt], max_new_tokens=6, progress=False)
+
+
+def test_the_reference_decode_stops_at_any_of_several_eos_ids(tiny_engine):
+    from specforge_core.protocols import CapturePlan
+
+    plan = CapturePlan(layer_ids=(0,), last_hidden=False)
+    prompt = tiny_engine.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    free = greedy_decode(tiny_engine, prompt, plan, max_new_tokens=6, eos_token_id=None)
+    assert len(free) == 6
+    # the third token as one of two stop ids ends the decode right after it
+    stopped = greedy_decode(tiny_engine, prompt, plan, max_new_tokens=6, eos_token_id=[10**9, free[2]])
+    assert stopped == free[:free.index(free[2]) + 1]

@@ -100,6 +100,9 @@ class DFlashConfig:
     num_target_layers: int = 0
 
     def __attrs_post_init__(self) -> None:
+        if min(self.num_heads, self.num_kv_heads) < 1:
+            raise DFlashConfigError(f"num_attention_heads ({self.num_heads}) and num_key_value_heads "
+                                    f"({self.num_kv_heads}) must be at least 1")
         if self.num_heads % self.num_kv_heads:
             raise DFlashConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                                     f"num_key_value_heads ({self.num_kv_heads})")

@@ -157,6 +157,8 @@ def test_loading_against_another_target_names_both_sides(tmp_path, vocab, hidden
     (lambda c: c.update(head_dim=7), ("does not describe a valid dflash draft: head_dim must be even for rotary "
                                      "embeddings, got 7")),
     (lambda c: c.update(dtype="float8"), "does not describe a valid dflash draft: unknown dtype 'float8'"),
+    (lambda c: c.update(num_key_value_heads=0), ("does not describe a valid dflash draft: num_attention_heads (4) and "
+                                                 "num_key_value_heads (0) must be at least 1")),
 ])
 def test_a_foreign_or_damaged_config_names_the_file_field_and_expected_form(tmp_path, edit, message):
     strategy, info, frozen, config_file = exported(tmp_path, edit)

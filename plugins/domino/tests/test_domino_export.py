@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge_core.export import ExportError
 from specforge_core.protocols import BuildContext
 from specforge_plugin_dflash import DFlashOptions
 from specforge_plugin_dflash.blocks import block_attention_mask
@@ -142,11 +141,6 @@ def test_a_damaged_head_config_names_the_file_field_and_expected_form(tmp_path, 
     strategy, config_file = exported(tmp_path, make_draft, edit)
     with pytest.raises(DominoExportError, match=rf"^{re.escape(str(config_file))} {re.escape(message)}"):
         strategy.load_export(str(tmp_path), info, frozen)
-
-
-def test_domino_export_errors_are_both_dflash_export_and_domino_config_errors():
-    assert issubclass(DominoExportError, DFlashExportError) and issubclass(DominoExportError, DominoConfigError)
-    assert issubclass(DominoExportError, ExportError)
 
 
 def test_a_failed_export_leaves_the_existing_export_intact(tmp_path, make_draft):

@@ -103,15 +103,13 @@ def hf_config(config: Eagle3Config, target: TargetInfo | None = None) -> dict[st
     return out
 
 
-def config_from_hf(data: Mapping[str, Any] | ExportConfig, target: TargetInfo) -> Eagle3Config:
+def config_from_hf(data: ExportConfig, target: TargetInfo) -> Eagle3Config:
     """The draft shape from an export's config.json (also accepts EAGLE3 drafts trained elsewhere).
 
     A field that is missing or of the wrong form, or a config of another strategy or
     architecture, raises :class:`Eagle3ExportError` naming the file, the field and what an
     EAGLE3 config needs there, rather than a bare KeyError from deep inside.
     """
-    if not isinstance(data, ExportConfig):
-        data = ExportConfig(data, Path("config.json"), WHAT, Eagle3ExportError)
     data.expect_identity(ARCHITECTURE, STRATEGY, strategy_required=False)
     if data.value("num_hidden_layers", int, 1) != 1:
         raise data.fail(f"describes {data.get('num_hidden_layers')} layers; the eagle3 strategy builds one")
