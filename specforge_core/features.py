@@ -117,10 +117,11 @@ class FeatureSet:
         counts = load_file(str(path))["token_counts"] if path.exists() else None
         return DataStats(token_counts=counts, num_samples=int(self.manifest.get("samples", {}).get("train", 0)))
 
-    def open_store(self, context: BuildContext) -> Any:
+    def open_store(self, context: BuildContext, *, consume_once: bool = False) -> Any:
+        """The directory's disk store (``consume_once``: a release deletes the sample's file)."""
         from .feature_stores.disk import DiskFeatureStore
 
-        return DiskFeatureStore(_store_options(self.path / STORE_DIR), context)
+        return DiskFeatureStore(_store_options(self.path / STORE_DIR, consume_once), context)
 
     def refs_by_split(self, store: Any) -> dict[str, list[SampleRef]]:
         """Refs per split (one directory scan), each in a stable order (sorted by sample id)."""

@@ -136,11 +136,11 @@ def _stay_until_trained(metadata: Any, idle_timeout_s: float) -> None:
     """
     import time
 
-    seen, progress_at = metadata.stats()["acked"], time.monotonic()
+    seen, progress_at = metadata.durable_step(), time.monotonic()  # moves with every optimizer step's ack
     while metadata.get_marker(FINISHED_MARKER) is None:
-        acked = metadata.stats()["acked"]
-        if acked != seen:
-            seen, progress_at = acked, time.monotonic()
+        step = metadata.durable_step()
+        if step != seen:
+            seen, progress_at = step, time.monotonic()
         elif time.monotonic() - progress_at > idle_timeout_s:
             raise StreamError(f"the consumers acked no sample for {idle_timeout_s:g}s and have not finished; this "
                               "producer exits now, and the samples held in the memory it lends to the store go "

@@ -1,4 +1,4 @@
-"""Where training samples come from: the two sources the runtime can hand the trainer.
+"""Where training samples come from: the three sources the runtime can hand the trainer.
 
 * :class:`OfflineSource` — a features directory written by ``specforge capture``: a fixed
   list of refs in a disk store, re-iterated for many epochs.
@@ -7,9 +7,13 @@
   dedup, then the channel), the loader consumes them, and the trainer's ack at each
   optimizer boundary marks them durable and releases them. A bounded window of samples in
   flight keeps the memory use flat and lets capture run ahead of training.
+* :class:`StreamSource` — the consumer of a disaggregated run: what a producer process
+  streams into a shared features directory (see :mod:`.producer`).
 
-Both expose the same small surface: ``target``, ``frozen_parts``, ``fingerprint``,
-``train_loader(...)``, ``eval_loader_factory(...)``, ``ack``, ``start(skip)``, ``close()``.
+All expose the same small surface: ``target``, ``frozen_parts``, ``fingerprint``,
+``train_loader(...)``, ``eval_loader_factory(...)``, ``ack``, ``start(skip, global_step)``,
+``close()``; the stream source adds ``suggested_train_options()``, ``checkpointed(step)``
+and ``finish(step)``, which the runtime calls when present.
 """
 
 from __future__ import annotations
@@ -261,9 +265,7 @@ class StreamSource:
 
     def __init__(self, plan: RunPlan, strategy: Any, context: BuildContext, *,
                  sync: Callable[[], None] = lambda: None) -> None:
-        from .builtin import DiskStoreOptions
-        from .feature_stores.disk import DiskFeatureStore
-        from .features import STORE_DIR, FeatureSet
+        from .features import FeatureSet
         from .producer import CONTROL_DIR, StreamError, hold_lock, stream_control, stream_store
 
         assert plan.features is not None
@@ -284,16 +286,14 @@ class StreamSource:
                     f"the producer streams {self.record['epochs']} epoch(s) of {self.record['train_samples']} samples "
                     f"into {plan.features}, but this consumer plans train.epochs={plan.train.epochs}; set "
                     f"train.epochs={self.record['epochs']} (or train.max_steps) so that it trains what is streamed")
-            directory = os.path.join(plan.features, STORE_DIR)
             # The training stream: the plan's cross-process store, or the directory's disk store
             # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
             # come from the directory and are never released.
             self.store = stream_store(plan, context)
-            self.eval_store = DiskFeatureStore(DiskStoreOptions(path=directory), context)
+            self.eval_store = self.features.open_store(context)
             if self.store is None:
-                self.store = DiskFeatureStore(DiskStoreOptions(path=directory, consume_once=True), context)
-            self.eval_refs = sorted((ref for ref in self.eval_store.scan() if ref.meta.get("split") == "eval"),
-                                    key=lambda ref: ref.sample_id)
+                self.store = self.features.open_store(context, consume_once=True)
+            self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
         except BaseException:
             self.close()
             raise
@@ -343,8 +343,12 @@ class StreamSource:
                 "checkpoint (--resume latest), or stream into a new --features directory for a new run")
         metadata.requeue_acked_after(global_step)
         self.sync()  # every rank sees the requeued samples before any rank re-reads the channel
-        for ref in self.control.resume_consumer().acked:  # covered by the checkpoint: free what a crash left
-            self.store.release(ref)
+        acked = self.control.resume_consumer().acked
+        if self.rank == 0 and acked:  # covered by the checkpoint: free what a crash left (one rank suffices)
+            if global_step > released:  # the marker goes first, as in checkpointed()
+                metadata.set_marker(RELEASED_MARKER, global_step)
+            for ref in acked:
+                self.store.release(ref)
 
     def ack(self, sample_ids: list[str], global_step: int) -> None:
         """Durable ack of one optimizer window; the files stay until a checkpoint covers it."""

@@ -551,33 +551,24 @@ class FileChannel(_RefChannelBase):
         # Not fsynced: a heartbeat lost in a crash only matters to a producer that is gone.
         self._write(json.dumps({"kind": "heartbeat", "t": time.time()}).encode() + b"\n", durable=False)
 
-    def published_sample_ids(self) -> set[str]:
-        """Every sample id with a ref record in the file (a full read; for restarts only)."""
-        ids = set()
+    def _ref_ids(self) -> Iterator[str]:
+        """The sample id of every ref record in the file, in order (a full read; for restarts only)."""
         reader = _JsonlTail(self.refs_path, self._read_chunk_bytes)
         try:
             for line_no, line in reader.read_all():
                 record = _decode(line, reader.path, line_no)
                 if record["kind"] == "ref":
-                    ids.add(record["ref"].sample_id)
+                    yield record["ref"].sample_id
         finally:
             reader.close()
-        return ids
+
+    def published_sample_ids(self) -> set[str]:
+        """Every sample id with a ref record in the file."""
+        return set(self._ref_ids())
 
     def shard_sample_ids(self) -> list[str]:
-        """The sample ids of this consumer's shard, in file order (a full read; for restarts only)."""
-        ids, index = [], 0
-        reader = _JsonlTail(self.refs_path, self._read_chunk_bytes)
-        try:
-            for line_no, line in reader.read_all():
-                record = _decode(line, reader.path, line_no)
-                if record["kind"] == "ref":
-                    if index % self.world_size == self.rank:
-                        ids.append(record["ref"].sample_id)
-                    index += 1
-        finally:
-            reader.close()
-        return ids
+        """The sample ids of this consumer's shard, in file order."""
+        return [sid for index, sid in enumerate(self._ref_ids()) if index % self.world_size == self.rank]
 
     # ---- consumer ----------------------------------------------------------------------
     def reset_consumed(self, count: int) -> None:

@@ -157,10 +157,8 @@ class DiskFeatureStore(BaseFeatureStore):
         return f"{self.root}{_SEP}{digest[:2]}{_SEP}{digest[2:4]}", f"{_unsafe_sub('_', sample_id[:40])}.{digest[:32]}"
 
     def _file(self, sample_id: str, generation: int) -> str:
-        # One format instead of _locate's two: this runs on every get.
-        digest = _sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()
-        return (f"{self.root}{_SEP}{digest[:2]}{_SEP}{digest[2:4]}{_SEP}{_unsafe_sub('_', sample_id[:40])}."
-                f"{digest[:32]}.{generation}.safetensors")
+        shard, stem = self._locate(sample_id)
+        return f"{shard}{_SEP}{stem}.{generation}.safetensors"
 
     def _generations(self, sample_id: str) -> dict[int, str]:
         """Generation -> path of every published file of one sample, as the directory holds them now."""

@@ -61,15 +61,11 @@ def read_model_attention(config: Any) -> ModelAttention:
     """The attention features of the causal LM ``config`` describes, without loading weights."""
     from transformers import AutoModelForCausalLM
 
-    # on the meta device no memory is allocated, so this is cheap even for a large target;
-    # from_config writes into the config it gets, hence the copy
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
-    except (RuntimeError, NotImplementedError, TypeError):
-        # an architecture whose constructor needs real tensors: fall back to what the config says
-        # (a config transformers cannot build at all raises ValueError, which from_pretrained would too)
-        return _from_config_only(config)
+    # On the meta device no memory is allocated, so this is cheap even for a large target
+    # (transformers builds every model there first when loading it, so any loadable one
+    # builds here). from_config writes into the config it gets, hence the copy.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
     features = {}
     softcaps = {value for module in model.modules()
                 if (value := getattr(module, "attn_logit_softcapping", None)) is not None}
@@ -81,13 +77,6 @@ def read_model_attention(config: Any) -> ModelAttention:
     return ModelAttention(architecture=type(model).__name__, features=features,
                           supports_sdpa=bool(getattr(model, "_supports_sdpa", True)),
                           supports_flash=bool(getattr(model, "_supports_flash_attn", True)))
-
-
-def _from_config_only(config: Any) -> ModelAttention:
-    softcap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
-    features = {SOFTCAPPING: f"attn_logit_softcapping={softcap}"} if softcap is not None else {}
-    return ModelAttention(architecture=(getattr(config, "architectures", None) or [type(config).__name__])[0],
-                          features=features)
 
 
 def why_not(name: str, device: torch.device, model: ModelAttention) -> str | None:

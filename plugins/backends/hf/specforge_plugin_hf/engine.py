@@ -392,21 +392,6 @@ def _resolve_attention(name: str, device: torch.device, config: Any) -> str:
     return name
 
 
-def _placement(device: torch.device, accelerate_available: bool) -> tuple[dict[str, Any], bool]:
-    """``from_pretrained`` keyword arguments that put the weights on ``device``, and whether
-    the loaded model must still be moved there.
-
-    A device_map loads each weight straight onto the device (no full copy in host memory
-    first), but transformers needs accelerate for it; without accelerate the model is
-    loaded on CPU and moved. CPU is transformers' default and needs neither.
-    """
-    if device.type == "cpu":
-        return {}, False
-    if accelerate_available:
-        return {"device_map": {"": device}}, False
-    return {}, True
-
-
 def _local_model_folder(model: str) -> Path | None:
     """The local folder ``model`` names, or None when it can only be a hub id."""
     path = Path(model).expanduser()
@@ -447,9 +432,7 @@ def _load_tokenizer(source: str) -> Any:
 
 def _load_model(source: str, options: HFEngineOptions, device: torch.device) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available
 
-    placement, move = _placement(device, is_accelerate_available())
     try:
         config = AutoConfig.from_pretrained(source)
         attn_implementation = _resolve_attention(options.attn_implementation, device, config)
@@ -457,14 +440,11 @@ def _load_model(source: str, options: HFEngineOptions, device: torch.device) -> 
             source,
             dtype=_resolve_dtype(options.dtype, device, config),
             attn_implementation=attn_implementation,
-            **placement,
         )
     except (OSError, ValueError) as exc:
         raise TargetModelNotFoundError(f"cannot load target model {source!r} as a causal LM ({_reason(exc)}); "
                                        "pass a folder written by save_pretrained") from exc
-    if move:
-        model.to(device)
-    model.eval()
+    model.to(device).eval()
     model.requires_grad_(False)
     return model
 

@@ -270,19 +270,7 @@ def test_dtype_option_sets_the_weights_and_features_dtype(tiny_toy_target):
     assert result[0]["aux_hidden"].dtype == torch.bfloat16
 
 
-# -- loading puts the weights where they run ------------------------------------------------------
-
-
-def test_weights_load_straight_onto_an_accelerator_and_stay_put_on_cpu():
-    """A device_map puts each weight on the GPU as it loads (transformers needs accelerate for
-    it; without, the model is loaded on CPU and moved). CPU loads as transformers' default."""
-    from specforge_plugin_hf.engine import _placement
-
-    cuda = torch.device("cuda", 1)
-    assert _placement(cuda, accelerate_available=True) == ({"device_map": {"": cuda}}, False)
-    assert _placement(cuda, accelerate_available=False) == ({}, True)
-    for accelerate in (True, False):
-        assert _placement(torch.device("cpu"), accelerate_available=accelerate) == ({}, False)
+# -- loading ------------------------------------------------------
 
 
 def test_cpu_target_is_loaded_frozen_in_eval_mode_in_the_chosen_dtype(tiny_toy_target):
