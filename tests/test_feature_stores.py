@@ -257,6 +257,14 @@ def test_disk_scan_lists_the_newest_generation_of_every_sample(tmp_path):
     assert released not in store.scan()
 
 
+def test_disk_scan_reads_a_header_longer_than_its_first_read(tmp_path):
+    # scan reads 16 KiB of each file first; a larger header (long metadata) needs a second read
+    store = disk_store(tmp_path / "store")
+    ref = store.put("long", sample_tensors(), {"notes": "x" * 40_000})
+    assert store.scan() == [ref]
+    assert store.scan()[0].meta["notes"] == "x" * 40_000
+
+
 def test_disk_generations_increase_across_store_instances_sharing_a_directory(tmp_path):
     first = disk_store(tmp_path / "store")
     second = disk_store(tmp_path / "store")

@@ -9,6 +9,8 @@ subclass only says where bytes live (``_store``, ``_load``, ``_release``, ``_dro
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
@@ -115,6 +117,29 @@ def select_features(ref: SampleRef, keys: Sequence[str] | str | None) -> list[st
                 f"sample {ref.sample_id!r} has no feature {key!r}; available: {sorted(ref.features)}"
             )
     return list(dict.fromkeys(keys))
+
+
+def token_hash(token: str | None) -> str | None:
+    """What a store records of its shared token: its sha256, never the token itself."""
+    return None if token is None else hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def check_token(recorded: Any, token: str | None, *, store: str, place: str, fresh: str) -> None:
+    """Raise unless ``token`` matches the ``recorded`` hash (None: the store was made without one).
+
+    ``store`` names the store in the messages, ``place`` is what the user picked it by (a
+    directory, a namespace) and ``fresh`` where to go instead.
+    """
+    want = token_hash(token)
+    if recorded is None and want is not None:
+        raise FeatureStoreError(f"{store} was created without a token, but a token was given; drop the token "
+                                f"option or use {fresh}")
+    if recorded is not None and want is None:
+        raise FeatureStoreError(f"{store} is protected by a token and none was given; pass the token it was "
+                                "created with (--set feature_store.token=...)")
+    if recorded is not None and not hmac.compare_digest(str(recorded), want):
+        raise FeatureStoreError(f"the token does not match the one {store} was created with; check that this job "
+                                f"should use this {place} and pass that store's token")
 
 
 def stale_error(ref: SampleRef, current: int) -> StaleRefError:

@@ -21,7 +21,6 @@ file is data, never code: nothing here unpickles.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import mmap
 import os
@@ -40,7 +39,7 @@ from ..checksums import crc32
 from ..fileio import fsync_dir
 from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
-from .base import BaseFeatureStore, stale_error
+from .base import BaseFeatureStore, check_token, stale_error, token_hash
 
 if TYPE_CHECKING:
     from ..builtin import DiskStoreOptions
@@ -309,10 +308,6 @@ class DiskFeatureStore(BaseFeatureStore):
 # -- the directory's manifest ---------------------------------------------------------------
 
 
-def _token_hash(token: str | None) -> str | None:
-    return None if token is None else hashlib.sha256(token.encode("utf-8")).hexdigest()
-
-
 def _attach(root: str, token: str | None, *, fsync: bool) -> None:
     """Create ``root/STORE.json`` on first use, or check the one there against ``token``."""
     os.makedirs(root, exist_ok=True)
@@ -324,7 +319,7 @@ def _attach(root: str, token: str | None, *, fsync: bool) -> None:
                 f"{root} is not empty ({', '.join(strays[:3])}{', ...' if len(strays) > 3 else ''}) and has no "
                 f"{_MANIFEST}, so it is not a specforge disk store; point the store's path at a new or empty directory"
             )
-        body = {"format": _FORMAT, "version": _VERSION, "token_sha256": _token_hash(token)}
+        body = {"format": _FORMAT, "version": _VERSION, "token_sha256": token_hash(token)}
         tmp = os.path.join(root, f".{_MANIFEST}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -353,22 +348,8 @@ def _check_manifest(root: str, manifest: str, token: str | None) -> None:
             f"{manifest} has version {info.get('version')!r}, this specforge reads version {_VERSION}; "
             "use the specforge release that wrote the store, or capture the features again"
         )
-    have, want = info.get("token_sha256"), _token_hash(token)
-    if have is None and want is not None:
-        raise FeatureStoreError(
-            f"disk store {root} was created without a token, but a token was given; drop the token option "
-            "or use a new directory"
-        )
-    if have is not None and want is None:
-        raise FeatureStoreError(
-            f"disk store {root} is protected by a token and none was given; pass the token it was created with "
-            "(--set feature_store.token=...)"
-        )
-    if have is not None and not hmac.compare_digest(have, want):
-        raise FeatureStoreError(
-            f"the token does not match the one disk store {root} was created with; check that this job should "
-            "use this directory (feature_store.path) and pass that store's token"
-        )
+    check_token(info.get("token_sha256"), token, store=f"disk store {root}",
+                place="directory (feature_store.path)", fresh="a new directory")
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,7 +45,6 @@ Design, and why:
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import socket
@@ -60,7 +59,7 @@ import torch
 
 from specforge_core.contracts import SampleRef
 from specforge_core.errors import CorruptFeatureError, FeatureStoreError, StoreFullError
-from specforge_core.feature_stores.base import BaseFeatureStore, format_bytes, stale_error
+from specforge_core.feature_stores.base import BaseFeatureStore, check_token, format_bytes, stale_error, token_hash
 
 from . import layout
 from .errors import MooncakeUnavailableError
@@ -360,7 +359,7 @@ class MooncakeStore(BaseFeatureStore):
         key = f"{self._prefix}STORE"
         raw = self._client.get(key)
         if not raw:
-            body = {"format": _FORMAT, "version": _VERSION, "token_sha256": _token_hash(token)}
+            body = {"format": _FORMAT, "version": _VERSION, "token_sha256": token_hash(token)}
             code = self._client.put(key, json.dumps(body).encode("utf-8"), self._config)
             if code != 0:
                 raise FeatureStoreError(f"cannot record the manifest of {self.uri} (Mooncake error {code})")
@@ -376,20 +375,7 @@ class MooncakeStore(BaseFeatureStore):
             raise FeatureStoreError(f"namespace {self.namespace!r} was created by store version "
                                     f"{info.get('version')!r}, this plugin writes version {_VERSION}; "
                                     "use another namespace")
-        have, want = info.get("token_sha256"), _token_hash(token)
-        if have is None and want is not None:
-            raise FeatureStoreError(f"{self.uri} was created without a token, but a token was given; drop the "
-                                    "token option or use another namespace")
-        if have is not None and want is None:
-            raise FeatureStoreError(f"{self.uri} is protected by a token and none was given; pass the token it "
-                                    "was created with (--set feature_store.token=...)")
-        if have is not None and not hmac.compare_digest(str(have), want):
-            raise FeatureStoreError(f"the token does not match the one {self.uri} was created with; check that "
-                                    "this job should use this namespace and pass that store's token")
-
-
-def _token_hash(token: str | None) -> str | None:
-    return None if token is None else hashlib.sha256(token.encode("utf-8")).hexdigest()
+        check_token(info.get("token_sha256"), token, store=self.uri, place="namespace", fresh="another namespace")
 
 
 def _replicate_config(*, pin: bool):
