@@ -122,16 +122,22 @@ def _component_option(kind: str) -> Any:
                    "`consumer` (another process sharing DIR) trains from them, each sample exactly once.")
 @click.option("--resume", default=None, metavar="latest|best|PATH",
               help="Continue from a checkpoint of this run (weights, optimizer, schedule, RNG, data position).")
+@click.option("--overwrite", is_flag=True,
+              help="Start over in an --output directory that holds a run: the old run is first moved aside, "
+                   "whole, to OUTPUT.old-<time> (without this, such a directory is refused).")
 @click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
 def run(strategy: str | None, target_engine: str | None, feature_store: str | None, control_plane: str | None,
         config_path: str | None, assignments: tuple[str, ...], output: str | None, run_id: str | None,
-        features: str | None, role: str | None, resume: str | None, dry_run: bool) -> None:
+        features: str | None, role: str | None, resume: str | None, overwrite: bool, dry_run: bool) -> None:
     """Train a draft model.
 
     Components are resolved from installed plugins; every option is validated before
     anything heavy is built. Example:
 
         specforge run --strategy eagle3 --set train.max_steps=200 --output out/
+
+    An --output directory that already holds a run is refused: continue it with
+    --resume latest, or start over with --overwrite (the old run is moved aside).
 
     Disaggregated: one process captures while another trains, sharing a directory
     (SQLite metadata and a ref channel in DIR/control, features in DIR/store; every sample
@@ -159,27 +165,32 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             raw["role"] = role
         raw = apply_sets(raw, assignments)
         plan = resolve_plan(get_plugin_manager(), raw)
+        if plan.role == "producer":
+            for flag, given in (("--resume", resume), ("--overwrite", overwrite)):
+                if given:
+                    raise OptionError(f"a producer resumes by itself from its features directory; drop {flag}")
     except SpecforgeError as exc:
         _fail(exc)
     if dry_run:
-        click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
+        _dry_run(plan, resume=resume, overwrite=overwrite)
         return
     if plan.role == "producer":
+        from .run_directory import check_writable
         from .topologies.stream.producer import run_producer
 
-        if resume:
-            _fail(OptionError("a producer resumes by itself from its features directory; drop --resume"))
         try:
+            check_writable(plan.output)
             result = run_producer(plan, get_plugin_manager())
         except SpecforgeError as exc:
             _fail(exc)
+        click.echo(result["data"])
         click.echo(f"done: published {result['published']} samples ({result['reused']} already committed before "
                    f"this start); stream closed in {result['features']}")
         return
     from .runtime import execute
 
     try:
-        summary = execute(plan, get_plugin_manager(), resume=resume)
+        summary = execute(plan, get_plugin_manager(), resume=resume, overwrite=overwrite)
     except SpecforgeError as exc:
         _fail(exc)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -187,6 +198,25 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         click.echo(f"done: {summary['steps']} steps, {summary['tokens_per_s']:.0f} tokens/s; "
                    f"best {best['metric']}={best['value']} at step {best['step']}; summary in "
                    f"{os.path.join(plan.output, 'summary.json')}")
+
+
+def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
+    """Print the plan as the run would use it: the output checked, the engine's suggestions applied."""
+    from .run_directory import check_output, check_writable
+    from .runtime import plan_as_run
+
+    try:
+        if plan.role == "producer":
+            check_writable(plan.output)
+        else:
+            check_output(plan.output, resume=resume, overwrite=overwrite)
+        shown, applied = plan_as_run(plan)
+    except SpecforgeError as exc:
+        _fail(exc)
+    if applied is None:
+        click.echo(f"note: the train defaults the producer's target engine suggests are known once it streams into "
+                   f"{plan.features}; the plan below has none applied", err=True)
+    click.echo(json.dumps({**shown.to_dict(), "train_options_suggested_by_engine": applied}, indent=2, default=str))
 
 
 @cli.command()

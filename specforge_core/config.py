@@ -75,6 +75,9 @@ class DataOptions:
     last_turn_only: bool = option(False, "Supervise only the last assistant turn.")
     strict: bool = option(False, "Make a malformed row fatal instead of skipping and counting it.")
     max_samples: int | None = option(None, "Use at most this many training samples.", check=positive)
+    missing_samples: str = option("fail", "An offline run (--features DIR) whose store lacks samples its manifest "
+                                          "lists: fail, or skip them (train on the rest and report what is missing).",
+                                  choices=("fail", "skip"))
 
 
 @attrs.frozen(kw_only=True)
@@ -249,3 +252,9 @@ def with_suggested_train_options(plan: RunPlan, suggested: Mapping[str, Any]) ->
     merged = {**options_to_dict(plan.train), **applied}
     train = build_options(TrainOptions, merged, section="train")
     return attrs.evolve(plan, train=train), applied
+
+
+def engine_train_suggestions(plan: RunPlan) -> dict[str, Any]:
+    """The ``train`` defaults the plan's target engine suggests for its options (no model is loaded)."""
+    engine = plan["target_engine"]
+    return engine.spec.suggested_train_options(engine.options)

@@ -27,11 +27,11 @@ from .errors import SpecforgeError
 from .fileio import fsync_dir
 from .hfconfig import config_value
 from .protocols import BuildContext, DataStats, TargetInfo
+from .run_directory import RUN_FILE
 
 if TYPE_CHECKING:
     import torch
 
-RUN_FILE = "run.json"
 EXPORT_FORMATS = ("sglang",)
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

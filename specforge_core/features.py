@@ -4,7 +4,8 @@
 epochs without the target model. Layout of ``DIR``::
 
     DIR/manifest.json               what was captured: strategy, capture plan, target info,
-                                    the frozen parts' fingerprint, sample counts per split
+                                    the frozen parts' fingerprint, sample counts and ids per
+                                    split (a run checks the store against them)
     DIR/frozen_parts.safetensors    the target's embedding / lm_head / norm weights the draft
                                     reuses (so training needs no target model)
     DIR/token_counts.safetensors    how often each token id is supervised in the train split
@@ -19,7 +20,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 
@@ -130,6 +131,41 @@ class FeatureSet:
             splits.setdefault(ref.meta.get("split", "train"), []).append(ref)
         return splits
 
+    def listed_refs(self, store: Any, *, missing: str = "fail") -> tuple[dict[str, list[SampleRef]], str | None]:
+        """Refs per split of the samples the manifest lists, checked against ``store``; (refs, report).
+
+        Refuses a capture that did not finish. A listed sample the store lacks (its file was
+        deleted or moved) fails the open with ``missing="fail"``; with ``"skip"`` it is left
+        out and the report (else None) names it. Files the manifest does not list are left out.
+        """
+        if not self.manifest.get("complete"):
+            raise FeatureSetError(f"the capture into {self.path} did not finish (its manifest is not complete): run "
+                                  "the same `specforge capture` command again to complete it")
+        splits = self.refs_by_split(store)
+        listed = self.manifest.get("sample_ids")
+        lacking: dict[str, list[str]] = {}
+        if listed is not None:
+            for split, ids in listed.items():
+                held = {ref.sample_id for ref in splits.get(split, [])}
+                lacking[split] = [sid for sid in ids if sid not in held]
+                wanted = set(ids)
+                splits[split] = [ref for ref in splits.get(split, []) if ref.sample_id in wanted]
+        else:  # a manifest written before sample ids were listed: its counts still tell
+            for split, count in self.manifest.get("samples", {}).items():
+                lacking[split] = ["?"] * max(0, int(count) - len(splits.get(split, [])))
+        total = sum(len(ids) for ids in lacking.values())
+        if not total:
+            return splits, None
+        listed_total = sum(int(n) for n in self.manifest.get("samples", {}).values())
+        detail = "; ".join(f"{split}: {len(ids)} missing" + (f", e.g. {', '.join(ids[:3])}" if ids[0] != "?" else "")
+                           for split, ids in sorted(lacking.items()) if ids)
+        what = f"{self.path / STORE_DIR} lacks {total} of the {listed_total} samples its manifest lists ({detail})"
+        if missing != "skip":
+            raise FeatureSetError(f"{what}: their files were deleted or moved. Run the same `specforge capture` "
+                                  "command again to capture them anew, or pass --set data.missing_samples=skip to "
+                                  "train without them")
+        return splits, f"warning: {what}; training without them (data.missing_samples=skip)"
+
     def check_plan(self, plan: CapturePlan, strategy: str) -> None:
         """Fail unless the stored features provide what the strategy's capture plan needs."""
         stored = self.plan
@@ -184,10 +220,14 @@ def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_
     return path, DiskFeatureStore(_store_options(path / STORE_DIR), context)
 
 
-def finish_feature_set(path: str | os.PathLike[str], counts: Mapping[str, int], extra: Mapping[str, Any] | None = None) -> None:
+def finish_feature_set(path: str | os.PathLike[str], sample_ids: Mapping[str, Sequence[str]],
+                       extra: Mapping[str, Any] | None = None) -> None:
+    """Mark a capture complete, listing the ids of its samples per split (checked when a run opens it)."""
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
-    manifest.update({"complete": True, "samples": dict(counts), **dict(extra or {})})
+    listed = {split: sorted(ids) for split, ids in sample_ids.items()}
+    manifest.update({"complete": True, "samples": {split: len(ids) for split, ids in listed.items()},
+                     "sample_ids": listed, **dict(extra or {})})
     atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
 
 

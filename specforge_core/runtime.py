@@ -14,13 +14,12 @@ This is where topologies are chosen — never in the training loop:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .components import build_component
-from .config import RunPlan, with_suggested_train_options
+from .config import RunPlan, engine_train_suggestions, with_suggested_train_options
 from .errors import SpecforgeError
 from .options import options_to_dict
 from .plugins import PluginManager
@@ -44,8 +43,44 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
     }
 
 
-def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None) -> dict[str, Any]:
-    """Train according to ``plan``; returns the summary (also written to ``summary.json``)."""
+def train_suggestions(plan: RunPlan) -> dict[str, Any] | None:
+    """The ``train`` defaults a run takes from its target engine; None while they cannot be known yet.
+
+    The one resolution ``--dry-run`` and the run share: an online run (and a producer, which
+    records them in its stream) asks its engine's spec (no model is loaded), a consumer takes
+    what its producer recorded (None before a producer started a stream), an offline run has
+    no engine and takes none.
+    """
+    if plan.role == "consumer":
+        from .topologies.stream.record import read_stream_record
+
+        record = read_stream_record(str(plan.features))
+        return None if record is None else dict(record.get("suggested_train_options", {}))
+    if plan.features and plan.role is None:
+        return {}
+    return engine_train_suggestions(plan)  # a producer records these in its stream
+
+
+def plan_as_run(plan: RunPlan) -> tuple[RunPlan, dict[str, Any] | None]:
+    """(the plan with the engine's suggestions applied where the user set nothing, what was applied)."""
+    suggested = train_suggestions(plan)
+    if suggested is None:
+        return plan, None
+    return with_suggested_train_options(plan, suggested)
+
+
+def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
+            overwrite: bool = False) -> dict[str, Any]:
+    """Train according to ``plan``; returns the summary (also written to ``summary.json``).
+
+    Every check comes before the first write into the output directory: the output guard
+    (:func:`~specforge_core.run_directory.check_output`) before anything is built, then the
+    sources' own checks, then a resume's contract. ``overwrite`` moves a previous run aside
+    right after the guard.
+    """
+    import torch
+
+    from .run_directory import check_output, move_aside
     from .topologies.colocated import OnlineSource
     from .topologies.offline import OfflineSource
     from .topologies.stream.consumer import StreamSource
@@ -60,6 +95,12 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         check_same_everywhere("the installed plugin set", manager.plugin_set(), info)
         if plan.role not in (None, "consumer"):
             raise RunError(f"a {plan.role} does not train; run it with `specforge run --role {plan.role}`")
+        check_output(plan.output, resume=resume, overwrite=overwrite)  # reads only, on every rank
+        if overwrite and info.is_main:
+            moved = move_aside(plan.output)
+            if moved is not None:
+                print(f"moved the previous run in {plan.output} aside to {moved}", file=sys.stderr, flush=True)
+        barrier(info)  # no rank builds into the output directory while rank 0 may still be moving it
         topology = _topology(plan)
         role = plan.role or ("offline" if plan.features else "colocated")
         context = BuildContext(run_id=plan.run_id, output_dir=plan.output, rank=info.rank,
@@ -74,12 +115,10 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
             window = 4 * train.batch_size * train.accumulation_steps
             source = OnlineSource(plan, strategy, context, build=lambda kind: build_component(plan, kind, context),
                                   window=window)
-        suggest = (getattr(source, "suggested_train_options", None)
-                   or getattr(getattr(source, "engine", None), "suggested_train_options", None))
-        applied: dict[str, Any] = {}
-        if suggest is not None:
-            plan, applied = with_suggested_train_options(plan, suggest())
-            train = plan.train
+        if info.is_main and getattr(source, "data_report", None):
+            print(source.data_report, flush=True)
+        plan, applied = plan_as_run(plan)
+        train = plan.train
         torch.manual_seed(train.seed)
         model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
         loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
@@ -95,23 +134,23 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
         spec = plan["strategy"].spec
         summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
                          "topology": topology,
-                         "train_options_suggested_by_engine": applied}
+                         "train_options_suggested_by_engine": applied or {}}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
                           contract=run_contract(plan, info.world_size, total_steps, source.fingerprint),
                           hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=spec.best_metric,
                           best_mode=spec.best_mode, summary_extra=summary_extra,
                           on_checkpoint=getattr(source, "checkpointed", None))
-        manager.hook.specforge_run_started(run_id=plan.run_id, output_dir=str(Path(plan.output)),
-                                           config=plan.to_dict())
-        if info.is_main:
+        if resume:
+            trainer.resume(resume)  # refuses a changed contract before anything is written
+        source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
+                     global_step=trainer.state.global_step)
+        if info.is_main:  # every check passed: from here on the run writes into its directory
             from .export import write_run_file
 
             write_run_file(plan.output, plan, source.target)
-        if resume:
-            trainer.resume(resume)
-        source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
-                     global_step=trainer.state.global_step)
+        manager.hook.specforge_run_started(run_id=plan.run_id, output_dir=str(Path(plan.output)),
+                                           config=plan.to_dict())
         summary = trainer.fit()
         if hasattr(source, "finish"):
             source.finish(trainer.state.global_step)

@@ -58,7 +58,11 @@ class ComponentSpec:
 
     def load_factory(self) -> Any:
         """Import and return the object named by ``factory``."""
-        module_name, _, attr = self.factory.partition(":")
+        return self._load(self.factory, "factory")
+
+    def _load(self, reference: str, field: str) -> Any:
+        """Import the object a lazy ``"package.module:attribute"`` field of this spec names."""
+        module_name, _, attr = reference.partition(":")
         try:
             obj: Any = importlib.import_module(module_name)
             for part in attr.split("."):
@@ -66,7 +70,7 @@ class ComponentSpec:
         except Exception as exc:  # noqa: BLE001 - reported with the spec's provenance
             origin = f" from {self.provenance.describe()}" if self.provenance else ""
             raise PluginError(
-                f"{self.kind} '{self.name}'{origin}: cannot load factory {self.factory!r}: "
+                f"{self.kind} '{self.name}'{origin}: cannot load {field} {reference!r}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         return obj
@@ -95,10 +99,29 @@ class StrategySpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class TargetEngineSpec(ComponentSpec):
-    """Something that runs the target model and produces features."""
+    """Something that runs the target model and produces features.
+
+    ``train_suggestions`` optionally names (lazily, ``"package.module:function"``) a
+    ``function(options) -> dict`` of ``train`` defaults the engine suggests for a target,
+    e.g. a higher learning rate for a tiny one. It must answer from the options alone,
+    without loading the model, so that ``specforge run --dry-run`` shows the plan the run
+    will use; a run applies them only to the train options the user did not set.
+    """
 
     kind = "target_engine"
     capabilities: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    train_suggestions: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_check_factory))
+
+    def suggested_train_options(self, options: Any) -> dict[str, Any]:
+        """The ``train`` defaults this engine suggests for ``options`` (no model is loaded)."""
+        if self.train_suggestions is None:
+            return {}
+        suggested = self._load(self.train_suggestions, "train_suggestions")(options)
+        if not isinstance(suggested, dict):
+            raise PluginError(f"{self.origin()}: {self.train_suggestions} returned {type(suggested).__name__}, "
+                              "not a dict of train options")
+        return dict(suggested)
 
 
 @attrs.frozen(kw_only=True)

@@ -49,6 +49,25 @@ INSERT OR IGNORE INTO counters (name, value) VALUES ('durable_step', 0), ('dupli
 """
 
 
+def _held(exc: sqlite3.Error) -> bool:
+    """Whether another connection holds the database (the busy timeout ran out)."""
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
+def database_error(path: str, exc: sqlite3.Error, doing: str) -> ControlPlaneError:
+    """A SQLite failure on the metadata database ``path``, with what to do about its cause."""
+    if _held(exc):
+        hint = "another process held it past the busy timeout: is a stuck process holding it?"
+    elif getattr(exc, "sqlite_errorname", "") == "SQLITE_CORRUPT":
+        hint = ("the file is damaged, so what it recorded (committed and acked samples) cannot be trusted: restore "
+                "it from a backup, or start again with a new control directory (for a disaggregated run, a new "
+                "--features directory for the producer and a new --output for the consumer)")
+    else:
+        hint = ("check that the directory exists and is writable, that the file is a specforge metadata database, "
+                "and that it is on a local filesystem")
+    return ControlPlaneError(f"{doing} {path}: {exc}; {hint}")
+
+
 class SqliteMetadataStore:
     """The metadata store contract (see :mod:`.metadata`), durable in one SQLite file.
 
@@ -72,15 +91,11 @@ class SqliteMetadataStore:
                 # Two processes creating the same fresh database race on the switch to WAL
                 # and on WAL recovery; SQLite reports those as "locked" without calling the
                 # busy handler, so the open itself retries until the busy timeout.
-                held = isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
-                if held and time.monotonic() + delay <= deadline:
+                if _held(exc) and time.monotonic() + delay <= deadline:
                     time.sleep(delay)
                     delay = min(delay * 2, 0.1)
                     continue
-                hint = ("another process held it past the busy timeout: is a stuck process holding it?" if held
-                        else "check that the directory exists and is writable, that the file is a specforge "
-                             "metadata database, and that it is on a local filesystem")
-                raise ControlPlaneError(f"cannot open the metadata database {self.path}: {exc}; {hint}") from None
+                raise database_error(self.path, exc, "cannot open the metadata database") from None
 
     def _open(self, busy_timeout_s: float) -> sqlite3.Connection:
         """Connect, switch to WAL + synchronous=FULL and create the schema (one attempt)."""
@@ -123,15 +138,17 @@ class SqliteMetadataStore:
                 # IMMEDIATE takes the write lock now: two processes that both read and then
                 # try to upgrade would get SQLITE_BUSY, which the busy timeout does not retry.
                 self._db.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                raise ControlPlaneError(f"{self.path}: {exc}; another process held the database longer than the "
-                                        "busy timeout. Is a stuck process holding it?") from None
+            except sqlite3.Error as exc:
+                raise database_error(self.path, exc, "the metadata database") from None
             try:
                 yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                with contextlib.suppress(sqlite3.Error):  # a damaged file may refuse the rollback too
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):  # a damaged page surfaces in the query that reads it
+                    raise database_error(self.path, exc, "the metadata database") from None
                 raise
-            self._db.execute("COMMIT")
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
         with self._transaction() as db:  # a read transaction sees one consistent snapshot

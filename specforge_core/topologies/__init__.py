@@ -14,6 +14,8 @@ Each module is one topology, over the shared capture helpers of :mod:`.capture`:
 Each training topology is a *source* the runtime (:mod:`specforge_core.runtime`) hands the
 trainer: ``target``, ``frozen_parts()``, ``stats()``, ``fingerprint``, ``train_loader(...)``,
 ``samples_per_rank(...)``, ``eval_loader_factory(...)``, ``ack``, ``start(skip, global_step)``
-and ``close()``; a stream consumer adds ``suggested_train_options()``, ``checkpointed(step)``
-and ``finish(step)``, which the runtime calls when present.
+and ``close()``; a stream consumer adds ``checkpointed(step)`` and ``finish(step)``, which the
+runtime calls when present, and a source with something to say about its data before training
+(rows skipped while preparing it, samples missing from a features directory) keeps it in
+``data_report``, which the runtime prints once.
 """

@@ -116,8 +116,8 @@ def capture_batch_size(plan: Any) -> int:
     return int(getattr(plan["target_engine"].options, "capture_batch_size", 8))
 
 
-def prepared_samples(plan: Any, engine: Any) -> tuple[list[Any], list[Any], Any]:
-    """(train samples, eval samples, the train file's preparation report) for a capturing run."""
+def prepared_samples(plan: Any, engine: Any) -> tuple[list[Any], list[Any], str]:
+    """(train samples, eval samples, the train file's preparation report as a run prints it)."""
     from ..data.prepare import prepare_file
 
     train_path, eval_path = data_paths(plan, engine)
@@ -128,7 +128,16 @@ def prepared_samples(plan: Any, engine: Any) -> tuple[list[Any], list[Any], Any]
     if not samples:
         raise SpecforgeError(f"{train_path} gave no usable training sample: {report.summary()}")
     eval_samples = prepare_file(eval_path, engine.tokenizer, **options)[0] if eval_path else []
-    return samples, eval_samples, report
+    return samples, eval_samples, data_report_text(train_path, report)
+
+
+def data_report_text(path: Any, report: Any) -> str:
+    """One data file's preparation report for the log; says what to do when rows were skipped."""
+    text = f"data {path}: {report.summary()}"
+    if report.skipped:
+        text += ("\n  skipped rows are not trained: fix or remove them, or set data.strict=true to stop at the "
+                 "first bad row")
+    return text
 
 
 def stream_sample_id(sample: Any, epoch: int) -> str:

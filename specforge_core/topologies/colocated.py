@@ -43,7 +43,7 @@ class OnlineSource:
         self.capture_plan = strategy.capture_plan(self.target)
         self._frozen = self.engine.frozen_parts()
         self.fingerprint = frozen_fingerprint(self._frozen)
-        self.samples, self.eval_samples, self.report = prepared_samples(plan, self.engine)
+        self.samples, self.eval_samples, self.data_report = prepared_samples(plan, self.engine)
         self.store = build("feature_store")
         self.control = build("control_plane")
         self.window = threading.BoundedSemaphore(window)

@@ -31,10 +31,11 @@ class OfflineSource:
         self.target = self.features.target
         self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
         self.store = self.features.open_store(context)
-        splits = self.features.refs_by_split(self.store)
+        splits, self.data_report = self.features.listed_refs(self.store, missing=plan.data.missing_samples)
         self.refs, self.eval_refs = splits["train"], splits["eval"]
         if not self.refs:
-            raise SpecforgeError(f"{plan.features} holds no training samples")
+            raise SpecforgeError(f"{plan.features} holds no training samples; capture some with `specforge capture "
+                                 f"--output {plan.features}`")
         self.fingerprint = self.features.fingerprint
         self.ack = None
 
@@ -77,7 +78,9 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     from ..data.prepare import PrepareReport, iter_samples
     from ..features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
     from ..options import options_to_dict
+    from ..run_directory import check_writable
 
+    check_writable(plan.output, "features directory")
     context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
     name = plan["strategy"].spec.name
     root, store = create_feature_set(plan.output, strategy=name,
@@ -117,6 +120,7 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
         "bytes_per_token": stored / tokens if tokens else 0.0,
         "ratio_to_unpadded_minimum": stored / minimum if minimum else 0.0, "data": reports,
     }
-    finish_feature_set(root, counts, {"capture": {k: v for k, v in result.items() if k != "output"}})
+    finish_feature_set(root, {split: [ref.sample_id for ref in refs] for split, refs in by_split.items()},
+                       {"capture": {k: v for k, v in result.items() if k != "output"}})
     store.close()
     return result

@@ -28,9 +28,10 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import SpecforgeError
 from ..fileio import atomic_write_text, fsync_dir
+from ..run_directory import CHECKPOINT_STATE as STATE_FILE
+from ..run_directory import existing_run
 from .distributed import DistInfo, barrier
 
-STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^(?P<run>.+)-step(?P<step>\d+)$")
 
 
@@ -198,8 +199,9 @@ class CheckpointManager:
         if which in ("latest", "best"):
             name = self.pointer(which)
             if name is None:
-                raise CheckpointError(f"no '{which}' checkpoint in {self.output_dir}: nothing to resume "
-                                      "(run without --resume to start fresh)")
+                start = ("start over with --overwrite (it moves what is there aside) or in another --output directory"
+                         if existing_run(self.output_dir) else "run without --resume to start fresh")
+                raise CheckpointError(f"no '{which}' checkpoint in {self.output_dir}: nothing to resume ({start})")
             path = self.output_dir / name
         else:
             path = Path(which)

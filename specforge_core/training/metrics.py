@@ -52,9 +52,10 @@ class MetricsLog:
         """On resume: drop records a crashed run wrote after the checkpoint it resumes from."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= global_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= global_step]
+        if len(kept) < len(lines):  # rewritten only when a crash left records to drop
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: Mapping[str, Any]) -> None:
         if not self.enabled:

@@ -88,6 +88,7 @@ class Trainer:
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self._names: list[str] | None = None
+        self._resumed = False
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ resume
@@ -102,12 +103,14 @@ class Trainer:
         if not getattr(self.loader, "streaming", True):
             self.loader.set_epoch(self.state.epoch)
             self.loader.seek(self.state.batch_in_epoch)
-        self.metrics.truncate_after(self.state.global_step)
+        self._resumed = True  # metrics a crash left after this checkpoint are dropped when training starts
         return path
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, Any]:
         train, state, info = self.train, self.state, self.info
+        if self._resumed:
+            self.metrics.truncate_after(state.global_step)
         accumulation = train.accumulation_steps
         self.model.train()
         progress = self._progress()

@@ -13,7 +13,9 @@ from .record import (
     FINISHED_MARKER,
     RELEASED_MARKER,
     StreamError,
+    check_stream_contract,
     hold_lock,
+    stream_contract,
     stream_control,
     stream_store,
     wait_for_stream,
@@ -56,11 +58,7 @@ class StreamSource:
             self.features = FeatureSet.open(plan.features)
             self.target = self.features.target
             self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
-            if plan.train.max_steps is None and self.record["epochs"] != plan.train.epochs:
-                raise StreamError(
-                    f"the producer streams {self.record['epochs']} epoch(s) of {self.record['train_samples']} samples "
-                    f"into {plan.features}, but this consumer plans train.epochs={plan.train.epochs}; set "
-                    f"train.epochs={self.record['epochs']} (or train.max_steps) so that it trains what is streamed")
+            check_stream_contract(self.record, stream_contract(plan), features=str(plan.features), side="consumer")
             # The training stream: the plan's cross-process store, or the directory's disk store
             # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
             # come from the directory and are never released.
@@ -78,10 +76,6 @@ class StreamSource:
 
     def frozen_parts(self) -> dict[str, Any]:
         return self.features.frozen_parts()
-
-    def suggested_train_options(self) -> dict[str, Any]:
-        """The producer's target engine's suggested train defaults (as an online run applies them)."""
-        return dict(self.record.get("suggested_train_options", {}))
 
     def stats(self) -> Any:
         from ...protocols import DataStats

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...config import RunPlan
+from ...config import RunPlan, engine_train_suggestions
 from ..capture import (
     capture_batch,
     capture_batch_size,
@@ -40,8 +40,10 @@ from .record import (
     CONTROL_DIR,
     FINISHED_MARKER,
     StreamError,
+    check_stream_contract,
     hold_lock,
     read_stream_record,
+    stream_contract,
     stream_control,
     stream_store,
     write_stream_record,
@@ -92,19 +94,15 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
     assert plan.features is not None
     context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
     name = plan["strategy"].spec.name
-    samples, eval_samples, report = prepared_samples(plan, engine)
+    samples, eval_samples, data_report = prepared_samples(plan, engine)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
-    suggest = getattr(engine, "suggested_train_options", None)
     # The consumer has no target engine: it applies the engine's suggested train defaults from here.
-    record = {"train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs, "seed": seed,
-              "suggested_train_options": dict(suggest()) if suggest is not None else {}}
+    record = {**stream_contract(plan), "train_samples": len(samples), "eval_samples": len(eval_samples),
+              "suggested_train_options": engine_train_suggestions(plan)}
     previous = read_stream_record(plan.features)
-    if previous is not None and previous != record:
-        changed = sorted(k for k in record if previous.get(k) != record.get(k))
-        raise StreamError(f"{plan.features} already streams {previous}; this producer would stream {record} "
-                          f"({', '.join(changed)} differ). A stream cannot change under its consumers: use the same "
-                          "data and train options, or a new --features directory")
+    if previous is not None:
+        check_stream_contract(previous, record, features=str(plan.features), side="producer")
     root, store = create_feature_set(plan.features, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
                                      target=target, frozen_parts=engine.frozen_parts(), context=context)
@@ -154,7 +152,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
         store.close()
     result = {"features": str(root), "published": published + republished, "reused": len(committed),
               "train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs,
-              "data": report.summary()}
+              "data": data_report}
     Path(plan.output).mkdir(parents=True, exist_ok=True)
     from ...fileio import atomic_write_text
 

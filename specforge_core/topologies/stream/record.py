@@ -5,7 +5,8 @@ A stream lives in a features directory ``DIR`` that the producer and its consume
 
     DIR/manifest.json               a features directory (see :mod:`specforge_core.features`),
     DIR/frozen_parts.safetensors    plus a ``stream`` record the consumer waits for: sample
-    DIR/token_counts.safetensors    counts, epochs and the seed of the stream's sample order
+    DIR/token_counts.safetensors    counts, the stream's contract (see stream_contract) and the
+                                    target engine's suggested train options
     DIR/store/                      the disk store: eval samples (kept) and, unless the run
                                     names another cross-process feature store (mooncake),
                                     the training stream (deleted once a consumer checkpoint
@@ -27,6 +28,7 @@ import attrs
 
 from ...config import RunPlan
 from ...errors import SpecforgeError
+from ...options import options_to_dict
 from ...protocols import BuildContext
 
 CONTROL_DIR = "control"
@@ -37,8 +39,59 @@ RELEASED_MARKER = "stream.released_through_step"
 FINISHED_MARKER = "stream.consumer_finished"
 
 
+#: ``data`` options that cannot change which samples a stream holds (``strict`` only decides
+#: whether a bad row stops the producer, ``missing_samples`` is for offline runs); every other
+#: data option is part of the contract.
+DATA_OPTIONS_OUTSIDE_CONTRACT = frozenset({"strict", "missing_samples"})
+
+
 class StreamError(SpecforgeError):
     """A disaggregated stream cannot be produced or consumed as asked."""
+
+
+def stream_contract(plan: RunPlan) -> dict[str, Any]:
+    """Every setting that changes a stream's samples or their order, as ``section.key`` -> value.
+
+    The producer records it in the stream; a consumer (and a restarted producer) must bring
+    the same: the strategy and its options, the data and how it is prepared, the epochs and
+    the seed of the epoch order. Data paths are made absolute, so that two processes started
+    in different directories compare the files they read.
+    """
+    contract: dict[str, Any] = {"strategy": plan["strategy"].spec.name}
+    contract.update({f"strategy.{key}": value for key, value in options_to_dict(plan["strategy"].options).items()})
+    for key, value in options_to_dict(plan.data).items():
+        if key in DATA_OPTIONS_OUTSIDE_CONTRACT:
+            continue
+        if key in ("path", "eval_path") and value is not None:
+            value = os.path.abspath(value)
+        contract[f"data.{key}"] = value
+    contract.update({"train.epochs": plan.train.epochs, "train.seed": plan.train.seed})
+    return contract
+
+
+def check_stream_contract(streamed: dict[str, Any], mine: dict[str, Any], *, features: str, side: str) -> None:
+    """Refuse, naming the field, when ``mine`` differs from what the stream in ``features`` records.
+
+    ``streamed`` is the stream record; ``mine`` this side's :func:`stream_contract` (a
+    restarted producer adds the sample counts it prepared). Every key of ``mine`` must match.
+    """
+    for key in sorted(mine):
+        theirs, ours = streamed.get(key), mine[key]
+        if theirs == ours:
+            continue
+        if key == "strategy":
+            setting = f"--strategy {theirs}"
+        elif "." in key:
+            setting = f"--set {key}={theirs if isinstance(theirs, str) else json.dumps(theirs)}"
+        else:  # a count the data gives: the data file itself changed
+            setting = "the same data files"
+        if side == "producer":
+            raise StreamError(f"{features} already streams with {key}={theirs!r}, but this producer has "
+                              f"{key}={ours!r}. A stream cannot change under its consumers: restart the producer "
+                              f"with the stream's settings ({setting}), or stream into a new --features directory")
+        raise StreamError(f"the producer streams into {features} with {key}={theirs!r}, but this {side} has "
+                          f"{key}={ours!r}; a consumer trains exactly what is streamed: start it with the stream's "
+                          f"settings ({setting}), or stream into a new --features directory for other settings")
 
 
 def stream_control(plan: RunPlan, context: BuildContext) -> Any:

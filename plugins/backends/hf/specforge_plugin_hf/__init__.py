@@ -42,6 +42,7 @@ def specforge_target_engines():
             factory="specforge_plugin_hf.engine:HFTargetEngine",
             options=HFEngineOptions,
             capabilities={"aux_hidden_states", "last_hidden", "frozen_parts", "verify"},
+            train_suggestions="specforge_plugin_hf.suggestions:suggested_train_options",
             description="Runs a transformers causal LM in-process and captures its hidden states.",
         )
     ]

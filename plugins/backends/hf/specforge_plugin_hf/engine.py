@@ -143,17 +143,6 @@ class HFTargetEngine:
             "norm": self._final_norm().weight.detach(),
         }
 
-    def suggested_train_options(self) -> dict[str, Any]:
-        """Training defaults for drafts of the toy target (applied only where the user set nothing).
-
-        The toy target is tiny and its data small: a higher peak LR with a short warmup trains
-        a useful draft within the embedded default's few minutes (EAGLE3: tau_real about 3.8
-        instead of 1.9 at the core's conservative 1e-4).
-        """
-        if self._toy_manifest is None:
-            return {}
-        return {"lr": 1e-3, "warmup_steps": 50}
-
     def default_data(self) -> tuple[Path, Path] | None:
         """(train.jsonl, eval.jsonl) of the toy conversations when serving the toy target, else None."""
         if self._toy_manifest is None or self.model_path is None:
