@@ -120,7 +120,7 @@ def test_producer_and_consumer_train_every_sample_once_as_an_online_run_would(st
     assert stats(shared) == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0,
                              "durable_step": STEPS}
     stream = json.loads((shared / "manifest.json").read_text())["stream"]
-    assert stream["train_samples"] == SAMPLES and stream["epochs"] == 1
+    assert stream["train_samples"] == SAMPLES and stream["train.epochs"] == 1 and stream["strategy"] == "example"
     # every training file was deleted once a checkpoint covered it; the eval split is kept
     assert len(sample_files(shared)) == stream["eval_samples"] > 0
     assert sorted(published_ids(shared)) == sorted(set(published_ids(shared)))
@@ -200,13 +200,16 @@ def test_a_consumer_with_no_producer_stops_with_a_clear_error(site, tiny, tmp_pa
     assert not (tmp_path / "consumer" / "summary.json").exists()
 
 
-def test_a_consumer_planning_other_epochs_than_the_stream_is_refused(site, tiny, streamed):
+@pytest.mark.parametrize("extra", [(), ("--set", f"train.max_steps={STEPS}")])
+def test_a_consumer_planning_other_epochs_than_the_stream_is_refused(site, tiny, streamed, extra):
     shared, base, _, _ = streamed
-    proc = consume(site, tiny, shared, base / "other", "--set", "train.epochs=2", expect=None)
+    proc = consume(site, tiny, shared, base / "other", "--set", "train.epochs=2", *extra, expect=None)
     assert proc.returncode == 1
-    assert (f"the producer streams 1 epoch(s) of {SAMPLES} samples into {shared}, but this consumer plans "
-            "train.epochs=2; set train.epochs=1") in proc.stderr
+    assert (f"the producer streams into {shared} with train.epochs=1, but this consumer has train.epochs=2; a "
+            "consumer trains exactly what is streamed: start it with the stream's settings (--set train.epochs=1)"
+            ) in proc.stderr
     assert stats(shared)["acked"] == SAMPLES  # nothing requeued or changed
+    assert not (base / "other").exists()
 
 
 def test_a_producer_restarted_with_other_data_is_refused(site, tiny, streamed):
@@ -216,7 +219,8 @@ def test_a_producer_restarted_with_other_data_is_refused(site, tiny, streamed):
                               env={**site.env(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
                               capture_output=True, text=True, timeout=300)
     assert producer.returncode == 1
-    assert f"{shared} already streams" in producer.stderr and "(train_samples differ)" in producer.stderr
+    assert (f"{shared} already streams with data.max_samples={SAMPLES}, but this producer has data.max_samples=10"
+            in producer.stderr)
     assert len(published_ids(shared)) == SAMPLES
 
 
@@ -245,7 +249,7 @@ def test_a_second_producer_or_consumer_of_one_stream_is_refused(site, tiny, stre
     for role, lock in (("producer", "producer.lock"), ("consumer", "consumer.rank0.lock")):
         held = hold_lock(str(shared / "control" / lock), "test")  # as a running process would
         try:
-            proc = run_specforge("run", "--role", role, "--features", str(shared), "--output", str(base / role),
+            proc = run_specforge("run", "--role", role, "--features", str(shared), "--output", str(base / f"second-{role}"),
                                  *common(tiny), env=site.env(), expect=None)
         finally:
             os.close(held)
@@ -305,3 +309,24 @@ def test_requeue_acked_after_makes_later_acks_pending_again(tmp_path):
         store.requeue_acked_after(-1)
     assert store.stats()["acked"] == 2
     store.close()
+
+
+def test_the_stream_contract_covers_every_option_that_changes_the_samples(tmp_path):
+    from specforge_core.config import DataOptions, resolve_plan
+    from specforge_core.options import options_to_dict
+    from specforge_core.plugins import PluginManager
+    from specforge_core.topologies.stream.record import StreamError, check_stream_contract, stream_contract
+
+    plan = resolve_plan(PluginManager().load(), {"strategy": {"name": "eagle3"}, "features": str(tmp_path),
+                                                 "role": "consumer", "data": {"path": "chats.jsonl"}})
+    contract = stream_contract(plan)
+    data_keys = {f"data.{key}" for key in options_to_dict(DataOptions())} - {"data.strict", "data.missing_samples"}
+    strategy_keys = {f"strategy.{key}" for key in options_to_dict(plan["strategy"].options)}
+    assert strategy_keys and data_keys >= {"data.path", "data.max_length", "data.max_samples", "data.last_turn_only"}
+    assert set(contract) == {"strategy", "train.epochs", "train.seed", *strategy_keys, *data_keys}
+    assert contract["data.path"] == os.path.abspath("chats.jsonl")  # processes in other directories compare files
+    check_stream_contract(contract, contract, features="F", side="consumer")
+    for key in sorted(contract):
+        changed = {**contract, key: "other"}
+        with pytest.raises(StreamError, match=f"with {key}='other', but this consumer has {key}="):
+            check_stream_contract(changed, contract, features="F", side="consumer")

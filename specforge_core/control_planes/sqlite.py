@@ -108,6 +108,8 @@ class SqliteMetadataStore:
                 raise ControlPlaneError(f"{self.path}: SQLite refused journal_mode=WAL (got {mode!r}); put the "
                                         "control directory on a local filesystem")
             db.execute("PRAGMA synchronous = FULL")
+            if db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+                return db  # written before: opening it writes nothing (a refused run leaves it byte-identical)
             db.execute("BEGIN IMMEDIATE")
             try:
                 version = db.execute("PRAGMA user_version").fetchone()[0]

@@ -206,7 +206,8 @@ class CheckpointManager:
         else:
             path = Path(which)
         if not (path / STATE_FILE).exists() or not (path / "model.safetensors").exists():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE} or model.safetensors)")
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE} or model.safetensors); pass "
+                                  "--resume latest, best, or a checkpoint directory (OUTPUT/RUN_ID-stepN)")
         return path
 
     def load(self, path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -53,12 +53,12 @@ class StreamSource:
                                f"consumer (rank {context.rank})")
         self.control: Any = None
         try:
-            self.control = stream_control(plan, context)
-            self.record = wait_for_stream(plan.features, self.control.channel.idle_timeout_s)
+            self.record = wait_for_stream(plan.features, plan["control_plane"].options.idle_timeout_s)
+            check_stream_contract(self.record, stream_contract(plan), features=str(plan.features), side="consumer")
             self.features = FeatureSet.open(plan.features)
             self.target = self.features.target
             self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
-            check_stream_contract(self.record, stream_contract(plan), features=str(plan.features), side="consumer")
+            self.control = stream_control(plan, context)
             # The training stream: the plan's cross-process store, or the directory's disk store
             # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
             # come from the directory and are never released.
