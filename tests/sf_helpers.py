@@ -9,6 +9,22 @@ import sys
 from pathlib import Path
 
 SPECFORGE = str(Path(sys.executable).parent / "specforge")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "specforge-plugin-example" / "src" / "specforge_plugin_example"
+LINEAR = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
+
+
+def example_site(path: Path, linear_module: str):
+    """A fake site with the ``example`` strategy and the ``linear`` test plugin (under ``linear_module``:
+    each test module imports its own copy). Call ``cleanup()`` on it when done."""
+    from specforge_core.testing import FakeSite
+
+    site = FakeSite(path)
+    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
+             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
+                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
+    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": linear_module},
+             modules={linear_module: LINEAR})
+    return site
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False, timeout: float = 120,

@@ -28,12 +28,9 @@ import attrs
 import pytest
 
 from fixtures.linear_plugin import make_features
-from sf_helpers import SPECFORGE
+from sf_helpers import SPECFORGE, example_site
 from specforge_core.testing import FakeSite
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "specforge-plugin-example" / "src" / "specforge_plugin_example"
-LINEAR = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
 STREAM_SAMPLES, BATCH = 8, 2
 
 #: Roots of every shared fixture built so far: each case leaves all of them byte-identical.
@@ -73,12 +70,7 @@ def specforge(site: FakeSite, *args: str, expect: int | None = 0, env_extra: dic
 # ----------------------------------------------------------------------------- shared fixtures
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    site = FakeSite(tmp_path_factory.mktemp("bad-inputs-site"))
-    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
-             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
-                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
-    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin_bad"},
-             modules={"sf_linear_plugin_bad": LINEAR})
+    site = example_site(tmp_path_factory.mktemp("bad-inputs-site"), "sf_linear_plugin_bad")
     yield site
     site.cleanup()
 
@@ -217,40 +209,21 @@ def unknown_strategy(w):
                says=("unknown strategy 'eagel3'", "Did you mean 'eagle3'?"))
 
 
-@case
-def unknown_option(w):
-    return Bad(argv=["run", "--strategy", "eagle3", "--set", "strategy.ttt_lenght=3", "--dry-run"], code=2,
-               says=("unknown option 'strategy.ttt_lenght'", "strategy accepts: ", "ttt_length"))
-
-
-@case
-def option_of_the_wrong_type(w):
-    return Bad(argv=["run", "--strategy", "eagle3", "--set", "train.batch_size=zero", "--dry-run"], code=2,
-               says=("option 'train.batch_size'", "expected an integer, got 'zero'"))
-
-
-@case
-def option_out_of_range(w):
-    return Bad(argv=["run", "--strategy", "eagle3", "--set", "train.batch_size=0", "--dry-run"], code=2,
-               says=("option 'train.batch_size'", "must be > 0"))
-
-
-@case
-def option_not_among_the_choices(w):
-    return Bad(argv=["run", "--strategy", "eagle3", "--set", "train.schedule=linear", "--dry-run"], code=2,
-               says=("option 'train.schedule'", "'linear'", "cosine", "constant"))
-
-
-@case
-def unknown_section(w):
-    return Bad(argv=["run", "--strategy", "eagle3", "--set", "trian.lr=1e-3", "--dry-run"], code=2,
-               says=("--set 'trian.lr=1e-3': unknown section 'trian'", "sections: strategy"))
-
-
-@case
-def set_without_a_key(w):
-    return Bad(argv=["run", "--strategy", "eagle3", "--set", "lr", "--dry-run"], code=2,
-               says=("--set 'lr'", "expected the form section.key=value"))
+#: ``--set`` assignments refused before anything is built, and the fragments their message must hold.
+BAD_SETS = {
+    "unknown_option": ("strategy.ttt_lenght=3", ("unknown option 'strategy.ttt_lenght'", "strategy accepts: ",
+                                                 "ttt_length")),
+    "option_of_the_wrong_type": ("train.batch_size=zero", ("option 'train.batch_size'",
+                                                           "expected an integer, got 'zero'")),
+    "option_out_of_range": ("train.batch_size=0", ("option 'train.batch_size'", "must be > 0")),
+    "option_not_among_the_choices": ("train.schedule=linear", ("option 'train.schedule'", "'linear'", "cosine",
+                                                               "constant")),
+    "unknown_section": ("trian.lr=1e-3", ("--set 'trian.lr=1e-3': unknown section 'trian'", "sections: strategy")),
+    "set_without_a_key": ("lr", ("--set 'lr'", "expected the form section.key=value")),
+}
+for _name, (_assignment, _says) in BAD_SETS.items():
+    CASES[_name] = lambda w, assignment=_assignment, says=_says: Bad(
+        argv=["run", "--strategy", "eagle3", "--set", assignment, "--dry-run"], code=2, says=says)
 
 
 @case

@@ -10,18 +10,13 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from sf_helpers import SPECFORGE, run_specforge
+from sf_helpers import SPECFORGE, example_site, run_specforge
 from specforge_core.control_planes.sqlite import SqliteMetadataStore
 from specforge_core.errors import ControlPlaneError
-from specforge_core.testing import FakeSite
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "specforge-plugin-example" / "src" / "specforge_plugin_example"
-LINEAR = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
 SAMPLES, BATCH = 24, 2
 STEPS = SAMPLES // BATCH
 
@@ -35,12 +30,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    site = FakeSite(tmp_path_factory.mktemp("disaggregated-site"))
-    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
-             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
-                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
-    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin_dis"},
-             modules={"sf_linear_plugin_dis": LINEAR})
+    site = example_site(tmp_path_factory.mktemp("disaggregated-site"), "sf_linear_plugin_dis")
     yield site
     site.cleanup()
 

@@ -6,16 +6,11 @@ built by the hf plugin.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
-from sf_helpers import run_specforge
-from specforge_core.testing import FakeSite
+from sf_helpers import example_site, run_specforge
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "specforge-plugin-example" / "src" / "specforge_plugin_example"
-LINEAR = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +22,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    site = FakeSite(tmp_path_factory.mktemp("example-site"))
-    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
-             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
-                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
-    site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin_online"},
-             modules={"sf_linear_plugin_online": LINEAR})
+    site = example_site(tmp_path_factory.mktemp("example-site"), "sf_linear_plugin_online")
     yield site
     site.cleanup()
 
