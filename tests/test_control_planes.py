@@ -192,11 +192,13 @@ def test_a_database_held_past_the_busy_timeout_is_a_clear_error_and_keeps_its_ro
     store.close()
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
+    waiting = SqliteMetadataStore(str(path), busy_timeout_s=0.3)  # opening an existing database writes nothing
     try:
         with pytest.raises(ControlPlaneError, match=r"m\.sqlite: database is locked; another process held it past "
                                                     r"the busy timeout"):
-            SqliteMetadataStore(str(path), busy_timeout_s=0.3)
+            waiting.commit(sample_refs(1))
     finally:
+        waiting.close()
         holder.execute("ROLLBACK")
         holder.close()
     store = SqliteMetadataStore(str(path))
