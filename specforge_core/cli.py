@@ -146,7 +146,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         specforge run --role producer --strategy eagle3 --features DIR --output prod/
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
     """
-    from .config import apply_sets, load_config_file, resolve_plan, set_option
+    from .config import apply_sets, check_data_files, load_config_file, resolve_plan, set_option
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -165,6 +165,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             raw["role"] = role
         raw = apply_sets(raw, assignments)
         plan = resolve_plan(get_plugin_manager(), raw)
+        check_data_files(plan)
         if plan.role == "producer":
             for flag, given in (("--resume", resume), ("--overwrite", overwrite)):
                 if given:
@@ -243,7 +244,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     unpadded minimum.
     """
     from .topologies.offline import run_capture
-    from .config import apply_sets, load_config_file, resolve_plan, set_option
+    from .config import apply_sets, check_data_files, load_config_file, resolve_plan, set_option
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -255,6 +256,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
             if value:
                 set_option(raw, section, key, value)
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
+        check_data_files(plan)
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:
         _fail(exc)

@@ -216,8 +216,6 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
         _check_role_store(role, components["feature_store"].spec)
     train = build_options(TrainOptions, _section(raw, "train"), section="train")
     data = build_options(DataOptions, _section(raw, "data"), section="data")
-    if role != "consumer":  # a consumer reads no data: its producer does
-        _check_data_files(data)
     run_id = str(raw.get("run_id") or "run")
     output = str(raw.get("output") or os.path.join("runs", run_id))
     explicit = frozenset(f"{section}.{key}" for section in SECTIONS for key in _section(raw, section))
@@ -225,10 +223,16 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
                    features=str(features) if features else None, role=role, explicit=explicit)
 
 
-def _check_data_files(data: DataOptions) -> None:
-    """A data file that is not there fails now, not after minutes of loading the target."""
+def check_data_files(plan: RunPlan) -> None:
+    """A data file the plan will read and that is not there fails now, not after minutes of loading the target.
+
+    Only capturing plans read data: not an offline run (``--features`` without a role) nor a
+    consumer (its producer reads it), nor the export of a finished run.
+    """
+    if plan.role == "consumer" or (plan.features and plan.role is None):
+        return
     for key in ("path", "eval_path"):
-        path = getattr(data, key)
+        path = getattr(plan.data, key)
         if path is not None and not os.path.isfile(path):
             state = "is a directory" if os.path.isdir(path) else "does not exist"
             raise OptionError(f"option 'data.{key}': {path} {state}; pass a JSONL file of conversations "
