@@ -14,9 +14,11 @@ before its first checkpoint; a producer with its own command). Kinds, in turn:
   producer keeps streaming;
 * ``producer`` — the producer is killed and restarted while its consumer keeps training.
 
-The strategy paces each training step (``--pace``) and kill times are drawn around the
-reference run's training window, so most kills land mid-training (``progress_at_kill``: the
-steps the killed trainer logged, or the refs the killed producer published).
+Kills are placed by progress, not wall time (a start's duration varies far more than a
+step's): each trial draws how far the victim gets first — 0 (during startup), a number of
+trained steps, or of refs a producer published, up to all of them (the final checkpoint and
+evaluation, the end of the stream) — then a random part of a step (``--pace`` paces each
+training step). ``progress_at_kill`` is where it really died.
 
 Every trial is compared with a reference run of the same plan that was never interrupted
 (measured once at the start): the loss of every step (``loss_mismatches``), the samples each
@@ -123,13 +125,19 @@ class Campaign:
         self.reference_s = time.monotonic() - started
         self.expected = Outcome.of(self.reference, self.reference / "out")
         times = [json.loads(line)["t"] for line in (self.reference / "trace.jsonl").read_text().splitlines()]
-        # When the reference trained: kills are drawn around this window (startup and the end included).
-        self.training = (min(times) - pace - launched, max(times) - min(times) + pace)
+        self.startup_s = min(times) - pace - launched  # until the reference's first training step
+        self.steps, self.samples = len(times), samples
 
-    def kill_time(self, rng: random.Random) -> float:
-        """A random moment to kill: mostly while training, sometimes just before or after it."""
-        offset, window = self.training
-        return max(0.5, offset + rng.uniform(-0.2, 1.1) * window)
+    def kill_plan(self, kind: str, rng: random.Random) -> tuple[int, float]:
+        """(progress to wait for, then seconds more) before the kill: anywhere from startup to the end.
+
+        Progress, not wall time: how long a start takes varies far more than a training step.
+        0 kills during startup; the last value kills after the last step (final checkpoint,
+        evaluation, the end of the stream).
+        """
+        total = self.samples if kind == "producer" else self.steps
+        target = rng.randint(0, total)
+        return target, rng.uniform(0.2, 1.0) * self.startup_s if target == 0 else rng.uniform(0, self.pace)
 
     def start(self, argv: list[str], trial: Path, *, trace: bool = True) -> subprocess.Popen:
         env = self.site.env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", SPECFORGE_STRICT_PLUGINS="1",
@@ -150,8 +158,9 @@ class Campaign:
     def _finish(proc: subprocess.Popen, timeout: float = 900) -> int:
         return proc.wait(timeout=timeout)
 
-    def trial(self, kind: str, trial: Path, kill_after: float) -> dict[str, Any]:
-        """One trial of ``kind``: start, SIGKILL one process after ``kill_after`` seconds, start it again."""
+    def trial(self, kind: str, trial: Path, target: int, delay: float) -> dict[str, Any]:
+        """One trial of ``kind``: start, SIGKILL one process once it made ``target`` progress and
+        ``delay`` seconds more, start it again."""
         out, shared = trial / "out", trial / "shared"
         train = ["run", "--output", str(out)]
         if kind != "online":
@@ -160,9 +169,11 @@ class Campaign:
         producer = self.start(produce, trial, trace=False) if kind != "online" else None
         trainer = self.start(train, trial)
         victim = producer if kind == "producer" else trainer
-        killed = _kill_after(victim, kill_after)
         # How far the victim got: steps the trainer logged, or refs the producer published.
-        progress = _lines(trial / "trace.jsonl") if victim is trainer else _lines(shared / "control" / "refs.jsonl")
+        progress = ((lambda: _lines(trial / "trace.jsonl")) if victim is trainer
+                    else (lambda: _lines(shared / "control" / "refs.jsonl")))
+        killed = _kill_when(victim, progress, target, delay)
+        at_kill = progress()
         codes = []
         if killed and kind == "producer":
             producer = self.start(produce, trial, trace=False)
@@ -174,7 +185,7 @@ class Campaign:
             if proc is not None:
                 codes.append(self._finish(proc))
         outcome = Outcome.of(trial, out)
-        return {"kind": kind, "killed": killed, "kill_after_s": round(kill_after, 2), "progress_at_kill": progress,
+        return {"kind": kind, "killed": killed, "kill_at_progress": target, "progress_at_kill": at_kill,
                 "failed": sum(c != 0 for c in codes),
                 **outcome.compare(self.expected), "leaked_files": _leaked(out, shared)}
 
@@ -183,10 +194,15 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _kill_after(proc: subprocess.Popen, seconds: float) -> bool:
-    """SIGKILL ``proc`` after ``seconds`` unless it exited before; whether it was killed."""
+def _kill_when(proc: subprocess.Popen, progress: Any, target: int, delay: float) -> bool:
+    """SIGKILL ``proc`` ``delay`` seconds after ``progress()`` reached ``target``, unless it exited first."""
+    deadline = time.monotonic() + 900  # a victim that stalls is killed all the same
+    while progress() < target and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
     try:
-        proc.wait(timeout=seconds)
+        proc.wait(timeout=delay)
         return False
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
@@ -276,9 +292,9 @@ def main() -> None:
             if time.monotonic() - started + estimate > args.time_budget:
                 break
             kind = kinds[index % len(kinds)]
-            kill_after = campaign.kill_time(rng)
+            target, delay = campaign.kill_plan(kind, rng)
             trial_started = time.monotonic()
-            result = campaign.trial(kind, root / f"trial{index:03d}-{kind}", kill_after)
+            result = campaign.trial(kind, root / f"trial{index:03d}-{kind}", target, delay)
             durations.append(time.monotonic() - trial_started)
             results.append(result)
             print(json.dumps({"trial": index, **result}), file=sys.stderr, flush=True)
