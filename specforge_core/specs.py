@@ -88,11 +88,15 @@ class StrategySpec(ComponentSpec):
 
     ``requires`` lists target-engine capabilities it needs (e.g. ``"aux_hidden_states"``,
     ``"last_hidden"``, ``"verify"``); ``best_metric`` names the eval metric that picks the
-    best checkpoint and whether higher is better.
+    best checkpoint and whether higher is better; ``export_formats`` names the serving
+    formats its ``export`` can write (``"sglang"``, ``"vllm"``, ``"speculators"``, or a
+    plugin's own), the first being the default — empty when the draft cannot be served, and
+    then ``specforge export`` refuses it.
     """
 
     kind = "strategy"
     requires: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    export_formats: tuple[str, ...] = attrs.field(factory=tuple, converter=tuple)
     best_metric: str = "loss"
     best_mode: str = attrs.field(default="min", validator=attrs.validators.in_(("min", "max")))
 
