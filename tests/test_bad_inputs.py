@@ -455,7 +455,7 @@ def export_without_a_checkpoint(w):
 @case
 def export_of_a_strategy_that_cannot_export(w):
     return Bad(argv=["export", str(w.trained), "--output", str(w.tmp / "draft")], code=1,
-               says=("cannot export for serving",))
+               says=("strategy 'linear' declares no serving format", "cannot be exported for a serving engine"))
 
 
 @case
