@@ -12,43 +12,67 @@ exist at any moment, in forward and in backward.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+if TYPE_CHECKING:
+    from .dpace import LossWeighting
+
 #: ``logits_fn(start, end)`` -> float logits ``[B, end-start, bs, V]`` of blocks ``start:end``.
 LogitsFn = Callable[[int, int], torch.Tensor]
+#: ``chunk_fn(start, end)`` -> ``(sums, *per_block)``: tensors of blocks ``start:end`` (see :func:`reduce_chunks`).
+ChunkFn = Callable[[int, int], tuple[torch.Tensor, ...]]
+
+
+def reduce_chunks(chunk_fn: ChunkFn, num_blocks: int, chunk_blocks: int) -> tuple[torch.Tensor, ...]:
+    """Run ``chunk_fn`` over block ranges of ``chunk_blocks`` blocks; add up its first output, concatenate the rest.
+
+    ``chunk_fn(start, end)`` returns ``(sums, *per_block)``: ``sums`` (any shape) is summed over
+    the chunks, each ``per_block`` tensor ``[B, end-start, ...]`` is concatenated along dim 1.
+    Under autograd each chunk is checkpointed (recomputed in backward), so only one chunk's
+    logits exist at a time; ``chunk_fn`` must then be deterministic.
+    """
+    total: torch.Tensor | None = None
+    pieces: list[list[torch.Tensor]] = []
+    for start in range(0, num_blocks, chunk_blocks):
+        end = min(start + chunk_blocks, num_blocks)
+        if torch.is_grad_enabled():
+            part, *per_block = checkpoint(chunk_fn, start, end, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part, *per_block = chunk_fn(start, end)
+        total = part if total is None else total + part
+        pieces.append(per_block)
+    return (total, *(torch.cat(list(tensors), dim=1) for tensors in zip(*pieces)))
 
 
 def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: torch.Tensor,
-                          chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_blocks: int, *, weighting: LossWeighting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``Σ w·CE`` over ``labels``/``weights [B, N, bs]``, and the argmax predictions ``[B, N, bs]``.
 
     ``logits_fn`` is called on block ranges of ``chunk_blocks`` blocks; the result does not
     depend on the chunk size (up to float summation order). ``weights`` may also be
     ``[G, B, N, bs]``: then the result is ``[G]``, one weighted sum per row of weights, so
     several losses over the same logits (Domino's base and final heads) take one pass.
+    ``weighting`` (D-PACE, :mod:`.dpace`) reweights each chunk's positions from their own
+    cross-entropy; None or ``dflash`` uses ``weights`` as given.
     """
 
     def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_fn(start, end)  # [B, c, bs, V]
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        ce = F.cross_entropy(logits.flatten(0, 2), labels[:, start:end].flatten(), reduction="none")
-        return (ce * weights[..., start:end, :].flatten(-3)).sum(-1), logits.argmax(-1)
+        chunk_labels = labels[:, start:end]
+        ce = F.cross_entropy(logits.flatten(0, 2), chunk_labels.flatten(), reduction="none")
+        chunk_weights = weights[..., start:end, :]
+        if weighting is not None and weighting.dpace:
+            chunk_weights = weighting.reweight(ce.view(chunk_labels.shape), chunk_weights)
+        return (ce * chunk_weights.flatten(-3)).sum(-1), logits.argmax(-1)
 
-    total = weights.new_zeros(weights.shape[:-3])
-    predictions = []
-    for start in range(0, labels.shape[1], chunk_blocks):
-        end = min(start + chunk_blocks, labels.shape[1])
-        if torch.is_grad_enabled():
-            part, predicted = checkpoint(chunk, start, end, use_reentrant=False, preserve_rng_state=False)
-        else:
-            part, predicted = chunk(start, end)
-        total = total + part
-        predictions.append(predicted)
-    return total, torch.cat(predictions, dim=1)
+    zero = weights.new_zeros(weights.shape[:-3])
+    total, predictions = reduce_chunks(chunk, labels.shape[1], chunk_blocks)
+    return zero + total, predictions
 
 
 def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0) -> torch.Tensor:

@@ -5,8 +5,8 @@ forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
     blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
     mask    = block_attention_mask(anchors, lengths)              [B, N*bs, S + N*bs]
     hidden  = model(target_hidden, block ids, positions, mask)    [B, N*bs, H]
-    Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)
-    loss    = Σw·CE / Σw
+    Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)   w: decay, or D-PACE's (loss_type)
+    loss    = Σw·CE / Σw                                               D-PACE: Σw·CE / batch size
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from . import DFlashOptions
 from .blocks import Blocks, block_attention_mask, draw_blocks
 from .config import DFlashConfig
 from .export import export_dflash, load_dflash
-from .loss import block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
+from .dpace import LossWeighting
+from .loss import block_metrics, chunked_cross_entropy, no_anchor_samples
 from .model import DFlashBackbone
 from .speculate import DraftFn, draft_block, speculative_decode
 
@@ -109,14 +110,22 @@ class DFlashStrategy:
         hidden = model(batch[HIDDEN_FEATURE], blocks.ids.flatten(1), blocks.positions.flatten(1), mask)
         return hidden.view(batch_size, num_blocks, bs, -1)
 
+    @property
+    def loss_weighting(self) -> LossWeighting:
+        """How positions are weighted and the loss normalised (the ``loss_type`` and ``dpace_alpha`` options)."""
+        return LossWeighting.from_options(self.options)
+
     def forward_loss(self, model: DFlashBackbone, batch: TrainBatch, ctx: StepContext) -> StepOutput:
-        """``L = Σw·CE / Σw`` over the batch's blocks, with ``loss``, ``acc``, ``accept_len`` and
-        ``no_anchor_samples`` as ratio metrics."""
+        """``L = Σw·CE / Σw`` (D-PACE: ``/ batch size``) over the batch's blocks, with ``loss``, ``acc``,
+        ``accept_len`` and ``no_anchor_samples`` as ratio metrics."""
         blocks = self.draw_blocks(model, batch, ctx)
         hidden = self.block_hidden(model, batch, blocks)
+        weighting = self.loss_weighting
+        weights = weighting.position_weights(blocks.weights, blocks.label_mask)
         weighted_ce, predictions = chunked_cross_entropy(lambda start, end: model.logits(hidden[:, start:end]),
-                                                         blocks.labels, blocks.weights, self.options.logit_chunk_size)
-        loss, weight = weighted_mean(weighted_ce, blocks.weights)
+                                                         blocks.labels, weights, self.options.logit_chunk_size,
+                                                         weighting=weighting)
+        loss, weight = weighting.normalize(weighted_ce, weights, batch_size=blocks.anchors.shape[0])
         ratios = {"loss": (float(weighted_ce.detach()), weight),
                   **block_metrics(predictions, blocks.labels, blocks.label_mask, blocks.keep),
                   **no_anchor_samples(blocks.num_valid)}

@@ -6,9 +6,9 @@ forward_loss, top to bottom (ALGORITHMS.md, "Domino")::
     hidden  = block_hidden(blocks)                               [B, N, bs, H]   DFlash's backbone
     states  = model.block_states(blocks.tokens)                  [B, N, bs, g]   teacher-forced GRU
     base    = lm_head(hidden);  final = base + correction        per chunk of blocks, one pass
-    base_ce, final_ce = Σw·CE(base), Σw·CE(final)
+    base_ce, final_ce = Σw·CE(base), Σw·CE(final)             w: DFlash's decay, or D-PACE's per head (loss_type)
     λ       = base_loss_weight(global_step, total_steps)
-    loss    = ((1 − λ)·final_ce + λ·base_ce) / Σw
+    loss    = ((1 − λ)·final_ce + λ·base_ce) / Σw              D-PACE: / batch size
 
 Capture plan, collate, anchors, the backbone pass, building the model, the loss's
 normalisation and ``no_anchor_samples``, ``tau_sim``, export / load and the speculate loop are
@@ -25,7 +25,7 @@ import torch
 
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
 from specforge_core.protocols import TargetInfo
-from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
+from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy, no_anchor_samples
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 from .config import DominoHeadConfig
@@ -74,14 +74,18 @@ class DominoStrategy(DFlashStrategy):
             return torch.cat([base, model.final_logits(base, hidden[:, start:end], states[:, start:end])], dim=2)
 
         # Row 0 of the weights selects the base half of each block, row 1 the final half: one
-        # pass over the logits gives both weighted sums.
-        zeros = torch.zeros_like(blocks.weights)
-        weights = torch.stack([torch.cat([blocks.weights, zeros], -1), torch.cat([zeros, blocks.weights], -1)])
+        # pass over the logits gives both weighted sums. (D-PACE reweights each row over its
+        # non-zero half only: the other half has weight 0, so it neither scales nor extends it.)
+        weighting = self.loss_weighting
+        position_weights = weighting.position_weights(blocks.weights, blocks.label_mask)
+        zeros = torch.zeros_like(position_weights)
+        weights = torch.stack([torch.cat([position_weights, zeros], -1), torch.cat([zeros, position_weights], -1)])
         sums, predictions = chunked_cross_entropy(both_heads, blocks.labels.repeat(1, 1, 2), weights,
-                                                  self.options.logit_chunk_size)
+                                                  self.options.logit_chunk_size, weighting=weighting)
         base_ce, final_ce = sums
         lam = self.base_loss_weight(ctx)
-        loss, weight = weighted_mean((1.0 - lam) * final_ce + lam * base_ce, blocks.weights)
+        loss, weight = weighting.normalize((1.0 - lam) * final_ce + lam * base_ce, position_weights,
+                                           batch_size=blocks.anchors.shape[0])
         metrics = dict(label_mask=blocks.label_mask, keep=blocks.keep, label_shift=head.label_shift)
         ratios = {"final_loss": (float(final_ce.detach()), weight),
                   "base_loss": (float(base_ce.detach()), weight),
