@@ -56,10 +56,18 @@ def cli() -> None:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a JSON list, one entry per plugin.")
-def plugins(as_json: bool) -> None:
-    """List installed plugins, their versions, status and what they provide."""
+@click.option("--check", is_flag=True,
+              help="Also import every component's implementation (the factory its spec names), which listing "
+                   "alone does not, and exit 1 if one fails.")
+def plugins(as_json: bool, check: bool) -> None:
+    """List installed plugins, their versions, status and what they provide.
+
+    Listing imports only the plugins' hook modules, so it stays fast; `--check` imports each
+    implementation too (torch and all), the way a run would.
+    """
     manager = get_plugin_manager()
     records = manager.plugin_list()
+    broken = _check_factories(manager, records) if check else {}
     if as_json:
         click.echo(json.dumps(records, indent=2))
     else:
@@ -69,8 +77,30 @@ def plugins(as_json: bool) -> None:
                        + (f"  {provides}" if provides else ""))
             if record["error"]:
                 click.echo(f"{'':<12} error: {record['error']}")
+            for message in record.get("factory_errors", []):
+                click.echo(f"{'':<12} error: {message}")
     for message in manager.conflicts():
         click.echo(f"conflict: {message}", err=True)
+    if broken:
+        sys.exit(1)
+
+
+def _check_factories(manager: Any, records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Import the factory of every spec of every active plugin; record failures as ``factory_errors``."""
+    from .preflight import load_factory
+
+    broken: dict[str, list[str]] = {}
+    for record in records:
+        if record["status"] != "active":
+            continue
+        for kind, names in record["provides"].items():
+            for name in names:
+                try:
+                    load_factory(manager.get(kind, name))
+                except SpecforgeError as exc:
+                    broken.setdefault(record["name"], []).append(str(exc))
+        record["factory_errors"] = broken.get(record["name"], [])
+    return broken
 
 
 @cli.command()
@@ -87,7 +117,16 @@ def options(kind: str, name: str) -> None:
         spec = get_plugin_manager().get(kind, name)
     except SpecforgeError as exc:
         _fail(exc)
+    from .specs import ENGINE_CAPABILITIES
+
     click.echo(f"{spec.origin()}: {spec.description}")
+    for label, names in (("requires", getattr(spec, "requires", None)),
+                         ("capabilities", getattr(spec, "capabilities", None))):
+        if names:
+            click.echo(f"  {label}: {', '.join(sorted(names))}")
+            for name in sorted(names):
+                if name in ENGINE_CAPABILITIES:
+                    click.echo(f"      {name}: {ENGINE_CAPABILITIES[name]}")
     rows = describe_options(spec.options)
     if not rows:
         click.echo("  (no options)")
@@ -141,6 +180,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
     """
     from .config import apply_sets, load_config_file, resolve_plan, set_option
+    from .preflight import check_plan
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -159,6 +199,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             raw["role"] = role
         raw = apply_sets(raw, assignments)
         plan = resolve_plan(get_plugin_manager(), raw)
+        check_plan(plan)  # every factory imports, the strategy has its methods: before any model loads
     except SpecforgeError as exc:
         _fail(exc)
     if dry_run:
@@ -214,6 +255,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     """
     from .capture import run_capture
     from .config import apply_sets, load_config_file, resolve_plan, set_option
+    from .preflight import check_plan
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -225,6 +267,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
             if value:
                 set_option(raw, section, key, value)
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
+        check_plan(plan)
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:
         _fail(exc)

@@ -67,6 +67,7 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
 
     from .config import plan_to_raw, resolve_plan
     from .features import FeatureSet, frozen_fingerprint
+    from .preflight import check_strategy
     from .runtime import build_component
     from .training.checkpoint import load_model_state
     from .training.distributed import DistInfo
@@ -78,6 +79,7 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
     plan = resolve_plan(manager, plan_to_raw(run["config"]))
     context = BuildContext(run_id=plan.run_id, output_dir=str(run_dir))
     strategy = build_component(plan, "strategy", context)
+    check_strategy(strategy, plan["strategy"].spec)
     target = TargetInfo(**run["target"])
     if run.get("features"):
         frozen = FeatureSet.open(run["features"]).frozen_parts()
@@ -112,7 +114,7 @@ def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | o
 
 def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine: Any) -> tuple[Any, Any]:
     """(strategy, model) from an export directory; the strategy is named in its config.json."""
-    from .options import build_options
+    from .preflight import check_strategy
 
     config = open_export(draft_dir, what="an exported draft", weights=False)
     name = config.get("specforge_strategy")
@@ -120,7 +122,8 @@ def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine:
         raise ExportError(f"{config.source} does not name its strategy (specforge_strategy); was it exported by "
                           "specforge?")
     spec = manager.get("strategy", name)
-    strategy = spec.load_factory()(build_options(spec.options, {}, section="strategy"), BuildContext())
+    strategy = spec.load_factory()(spec.build_options({}), BuildContext())
+    check_strategy(strategy, spec)
     model = strategy.load_export(str(config.source.parent), engine.info(), engine.frozen_parts())
     return strategy, model
 

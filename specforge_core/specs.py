@@ -72,19 +72,33 @@ class ComponentSpec:
         return obj
 
     def build_options(self, values: dict[str, Any] | None = None) -> Any:
-        return build_options(self.options, values, section=self.kind)
+        return build_options(self.options, values, section=self.kind, owner=self.origin())
 
     def origin(self) -> str:
         return f"{self.kind} '{self.name}'" + (f" ({self.provenance.describe()})" if self.provenance else "")
+
+
+#: The capability names target engines declare and strategies require, and what each promises.
+#: An engine may declare more (a third-party strategy and engine can agree on their own names).
+ENGINE_CAPABILITIES = {
+    "aux_hidden_states": "capture() returns the outputs of the plan's layer_ids, concatenated into the plan's "
+                         "hidden_feature [S, len(layer_ids)*H]",
+    "last_hidden": "capture() returns last_hidden [S, H], the lm_head input, when the plan asks (last_hidden=True)",
+    "frozen_parts": "frozen_parts() returns embed_tokens [V, H], lm_head [V, H] and norm [H] of the target",
+    "verify": "session(prompt_ids, plan) opens a VerifySession (extend / truncate / prefill): what a strategy's "
+              "speculate, and so tau_real, needs",
+}
 
 
 @attrs.frozen(kw_only=True)
 class StrategySpec(ComponentSpec):
     """A draft algorithm.
 
-    ``requires`` lists target-engine capabilities it needs (e.g. ``"aux_hidden_states"``,
-    ``"last_hidden"``, ``"verify"``); ``best_metric`` names the eval metric that picks the
-    best checkpoint and whether higher is better.
+    ``requires`` lists target-engine capabilities it needs (:data:`ENGINE_CAPABILITIES`: e.g.
+    ``"aux_hidden_states"``, ``"last_hidden"``; a strategy that trains from features and also
+    decodes needs ``"verify"`` for its real acceptance check); ``best_metric`` names the eval
+    metric that picks the best checkpoint, as the strategy reports it (``"accept_len"``, not
+    ``"eval/accept_len"``), and ``best_mode`` whether higher (``"max"``) or lower is better.
     """
 
     kind = "strategy"
@@ -95,7 +109,8 @@ class StrategySpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class TargetEngineSpec(ComponentSpec):
-    """Something that runs the target model and produces features."""
+    """Something that runs the target model and produces features; ``capabilities`` names what it can give
+    (:data:`ENGINE_CAPABILITIES`)."""
 
     kind = "target_engine"
     capabilities: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)

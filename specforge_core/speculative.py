@@ -40,11 +40,10 @@ def stop_token_ids(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
 
 def prompt_outputs(session: Any, prompt: torch.Tensor) -> dict[str, Any]:
     """The target's outputs for ``prompt`` (1-D token ids), for a strategy's ``speculate``: the
-    session's own prefill (engines run the prompt when they open a session, e.g. the hf engine's
-    ``session.prefill``), or an ``extend`` of an empty session."""
-    prefill = getattr(session, "prefill", None)
-    if prefill is not None and session.length == prompt.numel():
-        return prefill
+    session's ``prefill`` (engines run the prompt when they open a session on it), or an
+    ``extend`` of a session opened empty."""
+    if session.prefill is not None and session.length == prompt.numel():
+        return session.prefill
     if session.length == 0:
         return session.extend(prompt)
     raise ValueError(f"speculate needs a session holding exactly the prompt ({prompt.numel()} tokens, with its "

@@ -11,6 +11,24 @@ from pathlib import Path
 SPECFORGE = str(Path(sys.executable).parent / "specforge")
 
 
+def strategy_source(name: str = "Strategy", *, loss_method: str = "forward_loss") -> str:
+    """Source of a strategy class with the protocol's four methods (which do nothing), for fake plugins
+    whose runs stop at a dry run; ``loss_method`` renames the fourth (a misspelling)."""
+    return f"""
+class {name}:
+    def __init__(self, options, context):
+        self.options = options
+
+    def capture_plan(self, target): ...
+
+    def build_model(self, target, frozen_parts, stats): ...
+
+    def collate(self, samples, sample_ids): ...
+
+    def {loss_method}(self, model, batch, ctx): ...
+"""
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False, timeout: float = 120,
             cwd: str | None = None) -> subprocess.CompletedProcess:
     """Run the installed ``specforge`` console script in a subprocess."""
