@@ -25,9 +25,10 @@ _LAZY = {
     "ControlPlaneConformance": ".control_plane_suite",
     "TargetEngineConformance": ".target_engine_suite",
     "StrategyConformance": ".strategy_suite",
+    "ReferenceTarget": ".reference_target",
 }
 
-__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "StrategyConformance",
+__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "ReferenceTarget", "StrategyConformance",
            "TargetEngineConformance"]
 
 
