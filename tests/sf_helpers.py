@@ -46,18 +46,7 @@ def plugins_json(env: dict[str, str] | None = None) -> list[dict]:
 
 def run_specforge(*args: str, env: dict[str, str] | None = None, ranks: int = 1, expect: int | None = 0,
                   timeout: float = 600) -> subprocess.CompletedProcess:
-    """``specforge ARGS`` in a subprocess (under torchrun with gloo when ``ranks`` > 1).
+    """``specforge ARGS`` in a subprocess (the plugin kit's :func:`specforge_core.testing.cli.run_specforge`)."""
+    from specforge_core.testing.cli import run_specforge as run
 
-    Strict plugin loading, one thread per process (tests share two cores), offline hub.
-    ``expect`` is the exit status to assert (None: don't check).
-    """
-    environ = dict(os.environ if env is None else env)
-    environ.update(SPECFORGE_STRICT_PLUGINS=environ.get("SPECFORGE_STRICT_PLUGINS", "1"), OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1")
-    cmd = [SPECFORGE, *args] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-        "-m", "specforge_core.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout)
-    if expect is not None and proc.returncode != expect:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return proc
+    return run(*args, env=env, ranks=ranks, expect=expect, timeout=timeout)

@@ -26,10 +26,12 @@ _LAZY = {
     "TargetEngineConformance": ".target_engine_suite",
     "StrategyConformance": ".strategy_suite",
     "ReferenceTarget": ".reference_target",
+    "run_specforge": ".cli",
+    "install_crash_hook": ".cli",
 }
 
 __all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "ReferenceTarget", "StrategyConformance",
-           "TargetEngineConformance"]
+           "TargetEngineConformance", "install_crash_hook", "run_specforge"]
 
 
 def __getattr__(name: str) -> Any:

@@ -104,16 +104,26 @@ class DFlashOptions:
                 "strategy.loss_decay_gamma or set strategy.loss_type=dflash")
 
 
+DFLASH_SPEC = StrategySpec(
+    name="dflash",
+    factory="specforge_plugin_dflash.strategy:DFlashStrategy",
+    options=DFlashOptions,
+    description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
+    requires={"aux_hidden_states"},
+    best_metric="accept_len",
+    best_mode="max",
+)
+
+
+def variant_spec(name: str, factory: str, options: type, description: str, *,
+                 requires: frozenset[str] | set[str] = frozenset()) -> StrategySpec:
+    """The spec of a strategy built on DFlash (Domino, DSpark): DFlash's engine requirements (plus
+    ``requires``) and best checkpoint metric (``accept_len``, the variant's own), with its name,
+    factory, options and description."""
+    return attrs.evolve(DFLASH_SPEC, name=name, factory=factory, options=options, description=description,
+                        requires=DFLASH_SPEC.requires | set(requires))
+
+
 @hookimpl
 def specforge_strategies():
-    return [
-        StrategySpec(
-            name="dflash",
-            factory="specforge_plugin_dflash.strategy:DFlashStrategy",
-            options=DFlashOptions,
-            description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
-            requires={"aux_hidden_states"},
-            best_metric="accept_len",
-            best_mode="max",
-        )
-    ]
+    return [DFLASH_SPEC]

@@ -75,27 +75,31 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
     return zero + total, predictions
 
 
-def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0) -> torch.Tensor:
+def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0, drafted: int | None = None) -> torch.Tensor:
     """``[B, N]``: 1 + the length of the all-correct prefix of the drafted positions of ``correct [B, N, bs]``.
 
     The bs-1 drafted positions are ``1..bs-1`` (``label_shift`` 0, DFlash), or ``0..bs-2`` with
     ``label_shift`` 1 (Domino's ``shift_label``: position k predicts ``anchor + k + 1``).
+    ``drafted`` overrides how many positions from the first are drafted (DSpark drafts all
+    ``bs`` positions ``0..bs-1``).
     """
     first = 1 - label_shift
-    drafted = correct[..., first: first + correct.shape[-1] - 1]
-    return 1 + drafted.long().cumprod(dim=-1).sum(dim=-1)
+    count = correct.shape[-1] - 1 if drafted is None else drafted
+    return 1 + correct[..., first: first + count].long().cumprod(dim=-1).sum(dim=-1)
 
 
 def block_metrics(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                  keep: torch.Tensor, *, prefix: str = "", label_shift: int = 0) -> dict[str, tuple[float, float]]:
+                  keep: torch.Tensor, *, prefix: str = "", label_shift: int = 0,
+                  drafted: int | None = None) -> dict[str, tuple[float, float]]:
     """Ratio metrics ``{prefix}acc`` and ``{prefix}accept_len`` as (numerator, denominator).
 
     A position counts as correct only where it is supervised (``label_mask``), so a block's
     accepted prefix stops at the end of the response; only kept blocks count. ``label_shift``
-    is the one the blocks were drawn with (see :func:`acceptance_lengths`).
+    is the one the blocks were drawn with, ``drafted`` how many positions a block drafts
+    (see :func:`acceptance_lengths`).
     """
     correct = (predictions == labels) & label_mask  # [B, N, bs]
-    accepted = acceptance_lengths(correct, label_shift=label_shift)[keep]
+    accepted = acceptance_lengths(correct, label_shift=label_shift, drafted=drafted)[keep]
     return {f"{prefix}acc": (float(correct.sum()), float(label_mask.sum())),
             f"{prefix}accept_len": (float(accepted.sum()), float(accepted.numel()))}
 

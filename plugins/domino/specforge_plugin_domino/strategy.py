@@ -13,13 +13,11 @@ forward_loss, top to bottom (ALGORITHMS.md, "Domino")::
 Capture plan, collate, anchors, the backbone pass, building the model, the loss's
 normalisation and ``no_anchor_samples``, ``tau_sim``, export / load and the speculate loop are
 DFlash's (inherited); Domino swaps in its network (:attr:`DominoStrategy.model_class`, with the
-head from :meth:`DominoStrategy.model_kwargs`), its export functions and its drafting step
+head from :meth:`DominoStrategy.head_config`), its export functions and its drafting step
 (:attr:`DominoStrategy.draft_fn`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -46,12 +44,9 @@ class DominoStrategy(DFlashStrategy):
 
     # ------------------------------------------------------------------ model
     def head_config(self, target: TargetInfo) -> DominoHeadConfig:
-        """The correction head's widths and label alignment for ``target`` under the options."""
+        """The correction head's widths and label alignment for ``target`` under the options (checked against
+        the block size), passed to :class:`DominoBackbone` as ``head=``."""
         return DominoHeadConfig.from_options(self.options, target.hidden_size)
-
-    def model_kwargs(self, target: TargetInfo) -> dict[str, Any]:
-        """DFlash's, plus the correction head (:meth:`head_config`, already checked against the block size)."""
-        return {**super().model_kwargs(target), "head": self.head_config(target)}
 
     # ------------------------------------------------------------------ training
     def base_loss_weight(self, ctx: StepContext) -> float:
