@@ -61,3 +61,25 @@ def test_a_loop_that_miscounts_its_forwards_fails_the_accounting_check():
 
 def test_the_same_loop_done_right_passes():
     suite_for(dflash.DFlashStrategy).test_speculate_reproduces_the_targets_greedy_decode()
+
+
+@pytest.mark.parametrize("drafts, target_next, stop, budget, expected", [
+    ([5, 6, 7], [5, 6, 7, 8], frozenset(), None, (3, [5, 6, 7, 8])),  # all accepted, then the bonus
+    ([5, 6, 7], [5, 9, 7, 8], frozenset(), None, (1, [5, 9])),  # the first mismatch ends it; the target's token
+    ([5, 6, 7], [4, 6, 7, 8], frozenset(), None, (0, [4])),  # nothing accepted: one token a round
+    ([], [4], frozenset(), None, (0, [4])),  # nothing drafted
+    ([5, 6, 7], [5, 6, 7, 8], frozenset({6}), None, (3, [5, 6])),  # stop after an end-of-sequence token
+    ([5, 6, 7], [5, 6, 7, 8], frozenset(), 2, (3, [5, 6])),  # no more than the budget
+])
+def test_accept_drafts_keeps_the_matching_prefix_and_the_targets_next_token(drafts, target_next, stop, budget,
+                                                                            expected):
+    from specforge_core.speculative import accept_drafts
+
+    assert accept_drafts(drafts, target_next, stop=stop, budget=budget) == expected
+
+
+def test_accept_drafts_refuses_a_target_row_per_position_mismatch():
+    from specforge_core.speculative import accept_drafts
+
+    with pytest.raises(ValueError, match="2 drafts and the token before them, so 3, got 2"):
+        accept_drafts([1, 2], [1, 2])
