@@ -36,9 +36,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     site = FakeSite(tmp_path_factory.mktemp("disaggregated-site"))
-    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
-             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
-                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
+    site.add("specforge-plugin-example", "0.2.0", entry_points={"example": "specforge_plugin_example"},
+             modules={f"specforge_plugin_example.{path.stem}": path.read_text() for path in EXAMPLE.glob("*.py")})
     site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": "sf_linear_plugin_dis"},
              modules={"sf_linear_plugin_dis": LINEAR})
     yield site
