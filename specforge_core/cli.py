@@ -348,6 +348,43 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
                    "the target's greedy decode")
 
 
+@cli.group()
+def plugin() -> None:
+    """Write new plugins (`specforge plugin new`); list installed ones with `specforge plugins`."""
+
+
+@plugin.command(name="new")
+@click.argument("name")
+@click.option("--kind", required=True,
+              type=click.Choice(["strategy", "target-engine", "feature-store", "control-plane", "tracker"]),
+              help="What the plugin provides.")
+@click.option("--output", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Folder to create specforge-plugin-NAME in.")
+def plugin_new(name: str, kind: str, output: str) -> None:
+    """Write a working skeleton distribution for plugin NAME.
+
+    The folder specforge-plugin-NAME holds pyproject.toml (with the `specforge` entry point), a
+    hook module, an implementation that works as generated and passes its conformance suite, a
+    README with the next steps, and tests. Example:
+
+        specforge plugin new medusa --kind strategy && pip install -e "specforge-plugin-medusa[test]"
+    """
+    from .scaffold import KINDS, new_plugin
+
+    try:
+        target = new_plugin(name, kind, output)
+    except SpecforgeError as exc:
+        _fail(exc)
+    component = KINDS[kind].component
+    if component is not None and name in get_plugin_manager().specs(component):
+        existing = get_plugin_manager().get(component, name)
+        click.echo(f"note: {existing.origin()} is already installed; installing this plugin too makes the name "
+                   "ambiguous (an error) until one of them is uninstalled or renamed", err=True)
+    click.echo(f"wrote {target}")
+    click.echo(f"next: pip install -e \"{target}[test]\" && SPECFORGE_STRICT_PLUGINS=1 python -m pytest -q "
+               f"{target / 'tests'}  (then see {target / 'README.md'})")
+
+
 def build_cli() -> click.Group:
     """The CLI with every plugin's sub-commands added."""
     manager = get_plugin_manager()
