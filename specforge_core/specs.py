@@ -145,6 +145,7 @@ FIRST_PARTY = {
     ("strategy", "eagle3"): "specforge-plugin-eagle3",
     ("strategy", "dflash"): "specforge-plugin-dflash",
     ("strategy", "domino"): "specforge-plugin-domino",
+    ("strategy", "dspark"): "specforge-plugin-dspark",
     ("target_engine", "hf"): "specforge-plugin-hf",
     ("target_engine", "sglang"): "specforge-plugin-sglang",
     ("feature_store", "mooncake"): "specforge-plugin-mooncake",
