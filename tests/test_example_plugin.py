@@ -49,9 +49,10 @@ def fresh(tmp_path_factory):
     venv = work / "venv"
     run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
-    # torch first, pinned (as scripts/install-dev.sh does): pip must never choose a CUDA build
-    run(python, "-m", "pip", "install", "--quiet", "-c", ROOT / "constraints.txt", "torch==2.13.0")
-    run(python, "-m", "pip", "install", "--quiet", "-c", ROOT / "constraints.txt", "pytest", *sorted(wheels.glob("*.whl")))
+    # torch pinned through the repository's constraints (as scripts/install-dev.sh does): pip must never choose a
+    # CUDA build; no byte-compiling (a fresh environment for one test run gains nothing from it)
+    run(python, "-m", "pip", "install", "--quiet", "--no-compile", "-c", ROOT / "constraints.txt", "torch==2.13.0",
+        "pytest", *sorted(wheels.glob("*.whl")))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", SPECFORGE_STRICT_PLUGINS="1",
                HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -89,17 +90,16 @@ def test_the_examples_own_tests_pass_against_the_installed_wheel(fresh):
 def test_the_example_trains_exports_and_decodes_losslessly(fresh, tiny):
     out = fresh["work"] / "run"
     specforge(fresh, "run", "--strategy", "example", "--output", out, "--set", f"target_engine.model={tiny}",
-              "--set", "data.max_samples=32", "--set", "train.max_steps=8", "--set", "train.batch_size=4",
-              "--set", "train.real_eval_prompts=4", "--set", "train.real_eval_max_new_tokens=16")
+              "--set", "data.max_samples=16", "--set", "train.max_steps=4", "--set", "train.batch_size=4",
+              "--set", "train.real_eval_prompts=3", "--set", "train.real_eval_max_new_tokens=16")
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["best"]["metric"] == "tau_sim"
-    assert summary["tau_sim"] is None or summary["tau_sim"] >= 0  # set when the strategy's eval reports it
-    assert summary["final_eval"]["eval/tau_sim"] >= 0
+    assert summary["steps"] == 4 and summary["best"]["metric"] == "tau_sim"
+    assert summary["tau_sim"] == summary["final_eval"]["eval/tau_sim"] >= 0  # the strategy's derived metric
     assert summary["real_eval"]["identical_to_target_greedy"] is True and summary["tau_real"] >= 1.0
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["specforge_strategy"] == "example" and config["architectures"] == ["SpecforgeExampleHeads"]
     result = json.loads(specforge(fresh, "eval", "--draft", out / "export", "--target-model", tiny, "--num-prompts",
-                                  "4", "--max-new-tokens", "16", "--json").stdout)
+                                  "3", "--max-new-tokens", "16", "--json").stdout)
     assert result["identical_to_target_greedy"] is True and result["tau_real"] == pytest.approx(summary["tau_real"])
 
 

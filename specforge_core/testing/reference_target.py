@@ -38,6 +38,7 @@ class ReferenceTarget:
         self.dtype = dtype
         self.eos_token_id = eos_token_id
         self._tokenizer = tokenizer
+        self._greedy: dict[tuple[int, ...], list[int]] = {}  # prompt -> the longest continuation decoded so far
         gen = torch.Generator().manual_seed(seed)
 
         def weight(*shape: int, scale: float | None = None) -> torch.Tensor:
@@ -139,15 +140,17 @@ class ReferenceTarget:
 
     @torch.no_grad()
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """The target's greedy continuation of ``prompt_ids`` (stopping after ``eos_token_id``)."""
-        tokens = list(prompt_ids)
-        new: list[int] = []
-        while len(new) < max_new_tokens:
-            new.append(int(self._forward(torch.tensor(tokens), ())["logits"][-1].argmax()))
-            tokens.append(new[-1])
-            if new[-1] == self.eos_token_id:
-                break
-        return new
+        """The target's greedy continuation of ``prompt_ids`` (stopping after ``eos_token_id``).
+
+        One full forward per token (the reference has no cache); a continuation already decoded
+        for the same prompt is reused and extended, since a greedy decode is a prefix of a longer one.
+        """
+        key = tuple(int(t) for t in prompt_ids)
+        new = list(self._greedy.get(key, []))
+        while len(new) < max_new_tokens and (not new or new[-1] != self.eos_token_id):
+            new.append(int(self._forward(torch.tensor(list(key) + new), ())["logits"][-1].argmax()))
+        self._greedy[key] = new
+        return new[:max_new_tokens]
 
 
 class ReferenceSession:

@@ -40,7 +40,7 @@ class StrategyConformance:
     lengths = (12, 9, 16, 7)
     #: Optimizer steps (and learning rate) of the short training before the second speculate check:
     #: enough for some drafts to be accepted, so the accept path is checked, not only the rejections.
-    speculate_train_steps = 40
+    speculate_train_steps = 20
     speculate_lr = 1e-2
     #: Tokens generated per prompt by the speculate checks.
     speculate_max_new_tokens = 24
