@@ -164,10 +164,14 @@ class Strategy(Protocol):
 
     * ``derived_metrics(pooled) -> dict`` — metrics computed from pooled ratio metrics
       (``tau_sim``), added to training and eval records;
-    * ``export(model, out_dir, target)`` — write the draft in a serving format (safetensors +
-      config.json naming the strategy under ``specforge_strategy``), the formats its spec
-      declares;
-    * ``load_export(path, target, frozen_parts)`` — the model back from such a directory;
+    * ``export(model, out_dir, target, *, fmt, dtype)`` — write the draft in serving format
+      ``fmt`` (one of the formats its spec declares in ``export_formats``: a directory the
+      serving engine of that format loads), floating-point weights in ``dtype``; its
+      config.json names the strategy and its options under ``specforge_strategy`` and
+      ``specforge_strategy_options`` (see :func:`specforge_core.export.strategy_fields`); an
+      implementation may accept fewer keyword arguments;
+    * ``load_export(path, target, frozen_parts)`` — the model back from a directory in any
+      format it writes;
     * ``speculate(model, session, prompt_ids, *, max_new_tokens, eos_token_id)`` — a real
       speculative decode against a :class:`VerifySession`, returning a
       :class:`SpeculationResult` whose tokens must equal the target's greedy decode.

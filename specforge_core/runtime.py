@@ -14,6 +14,7 @@ This is where topologies are chosen — never in the training loop:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,14 @@ class RunError(SpecforgeError):
     """A run cannot be assembled from the plan."""
 
 
-def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str) -> dict[str, Any]:
-    """What a resume must match; each key is named in the refusal message."""
+def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str,
+                 layer_ids: Any = ()) -> dict[str, Any]:
+    """What a resume must match; each key is named in the refusal message. ``layer_ids`` are the target
+    layers the draft is trained on (resolved from the options and the target), which an export repeats."""
     return {
         "strategy": plan["strategy"].spec.name,
         "strategy_options": options_to_dict(plan["strategy"].options),
+        "layer_ids": [int(i) for i in layer_ids],
         "world_size": world_size,
         "batch_size": plan.train.batch_size,
         "accumulation_steps": plan.train.accumulation_steps,
@@ -100,7 +104,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
                          "train_options_suggested_by_engine": applied}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
-                          contract=run_contract(plan, info.world_size, total_steps, source.fingerprint),
+                          contract=run_contract(plan, info.world_size, total_steps, source.fingerprint,
+                                                strategy.capture_plan(source.target).layer_ids),
                           hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=spec.best_metric,
                           best_mode=spec.best_mode, summary_extra=summary_extra,
                           on_checkpoint=getattr(source, "checkpointed", None))
@@ -155,16 +160,23 @@ def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any
 
 def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any, context: BuildContext,
              summary: dict[str, Any]) -> dict[str, Any]:
-    """Export the final draft and measure real acceptance; adds both to ``summary.json``."""
-    from .topologies.capture import data_paths
+    """Export the final draft and measure its real acceptance and speedup; adds both to ``summary.json``.
+
+    When an export was written, the draft measured is the export itself, read back as
+    `specforge eval` reads it (its weights in the served dtype), so the summary describes the
+    folder that gets served; otherwise the trained weights are measured as they are.
+    """
+    from .dtypes import dtype_name
     from .export import export_model
+    from .topologies.capture import data_paths
     from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_jsonl
     from .training.checkpoint import load_model_state, model_state
     from .training.distributed import DistInfo
     from .training.trainer import write_summary
 
     train = plan.train
-    wants_export = train.export and hasattr(strategy, "export")
+    spec = plan["strategy"].spec
+    wants_export = train.export and bool(spec.export_formats) and hasattr(strategy, "export")
     wants_real = train.real_eval_prompts > 0 and hasattr(strategy, "speculate")
     if not (wants_export or wants_real):
         return summary
@@ -175,8 +187,22 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
     load_model_state(model, state, DistInfo())
     extra: dict[str, Any] = {"tau_sim": summary.get("final_eval", {}).get("eval/tau_sim"),
                              "tau_sim_convention": TAU_SIM_CONVENTION}
+    measured, draft = model, f"the trained weights ({dtype_name(next(model.parameters()).dtype)})"
     if wants_export:
-        extra["export"] = str(export_model(strategy, model, source.target, Path(plan.output) / "export"))
+        from .export import ExportError
+
+        try:
+            out = export_model(strategy, model, source.target, Path(plan.output) / "export", spec=spec,
+                               dtype=train.export_dtype)
+        except ExportError as exc:  # the trained checkpoints stand; only the serving folder is missing
+            print(f"warning: no export written: {exc}", file=sys.stderr, flush=True)
+            extra["export"] = {"skipped": str(exc)}
+        else:
+            extra["export"] = str(out)
+            extra["export_format"] = {"format": spec.export_formats[0], "dtype": train.export_dtype}
+            if wants_real:
+                measured = strategy.load_export(str(out), source.target, source.frozen_parts())
+                draft = f"the export in {out.name}/ ({train.export_dtype})"
     if wants_real:
         engine, reason = _eval_engine(plan, source, context)
         eval_path = data_paths(plan, engine)[1] if engine is not None else None
@@ -184,12 +210,13 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
             reason = "no held-out prompts: pass --set data.eval_path=FILE"
         if reason is None:
             prompts = prompts_from_jsonl(eval_path, engine.tokenizer, limit=train.real_eval_prompts)
-            result = measure_acceptance(strategy, model, engine, prompts,
+            result = measure_acceptance(strategy, measured, engine, prompts,
                                         max_new_tokens=train.real_eval_max_new_tokens)
-            extra["tau_real"] = result["tau_real"]
-            extra["real_eval"] = {k: v for k, v in result.items() if k != "per_prompt"}
+            extra["accept_len_real"] = extra["tau_real"] = result["accept_len_real"]
+            extra["speedup"] = result["speedup"]
+            extra["real_eval"] = {**{k: v for k, v in result.items() if k != "per_prompt"}, "draft": draft}
         else:
-            extra["tau_real"] = None
+            extra["accept_len_real"] = extra["tau_real"] = extra["speedup"] = None
             extra["real_eval"] = {"skipped": reason}
     summary.update(extra)
     write_summary(plan.output, summary)

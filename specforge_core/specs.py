@@ -98,11 +98,15 @@ class StrategySpec(ComponentSpec):
     ``"aux_hidden_states"``, ``"last_hidden"``; a strategy that trains from features and also
     decodes needs ``"verify"`` for its real acceptance check); ``best_metric`` names the eval
     metric that picks the best checkpoint, as the strategy reports it (``"accept_len"``, not
-    ``"eval/accept_len"``), and ``best_mode`` whether higher (``"max"``) or lower is better.
+    ``"eval/accept_len"``), and ``best_mode`` whether higher (``"max"``) or lower is better;
+    ``export_formats`` names the serving formats its ``export`` can write (``"sglang"``,
+    ``"vllm"``, ``"speculators"``, or a plugin's own), the first being the default — empty
+    when the draft cannot be served, and then ``specforge export`` refuses it.
     """
 
     kind = "strategy"
     requires: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    export_formats: tuple[str, ...] = attrs.field(factory=tuple, converter=tuple)
     best_metric: str = "loss"
     best_mode: str = attrs.field(default="min", validator=attrs.validators.in_(("min", "max")))
 

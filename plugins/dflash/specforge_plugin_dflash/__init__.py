@@ -57,12 +57,13 @@ class DFlashOptions:
               "than a small target is pointless.", check=positive)
     target_layer_ids: list[int] | None = option(
         None, "Target layers whose outputs are concatenated into the draft context (layer id i = output of "
-              "decoder layer i). null = evenly spaced: n == 1 -> [L//2], else round(1 + i*(L-4)/(n-1)); on "
-              "targets too small for that formula (ids collide or leave [0, L-1]) the n ids are spread evenly "
-              "over [0, L-1] instead.", check=_layer_ids)
+              "decoder layer i = the hidden state entering layer i+1; at most L-2, since serving engines capture "
+              "layer inputs only). null = evenly spaced: n == 1 -> [L//2], else round(1 + i*(L-4)/(n-1)); on "
+              "targets too small for that formula (ids collide or leave [0, L-2]) the n ids are spread evenly "
+              "over [0, L-2] instead.", check=_layer_ids)
     num_target_layers: int = option(
-        5, "How many target layers feed the context (n), when target_layer_ids is null; capped at the "
-           "target's depth. (SGLang's config field of the same name is the target's depth; the export writes "
+        5, "How many target layers feed the context (n), when target_layer_ids is null; capped at L-1, the "
+           "number of layer ids a serving engine can capture. (SGLang's config field of the same name is the target's depth; the export writes "
            "that one.)", check=positive)
     block_size: int = option(16, "Tokens per drafted block: the anchor plus block_size-1 drafted tokens.",
                              check=_at_least_two)
@@ -110,18 +111,21 @@ DFLASH_SPEC = StrategySpec(
     options=DFlashOptions,
     description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
     requires={"aux_hidden_states"},
+    export_formats=("sglang", "vllm", "speculators"),
     best_metric="accept_len",
     best_mode="max",
 )
 
 
 def variant_spec(name: str, factory: str, options: type, description: str, *,
-                 requires: frozenset[str] | set[str] = frozenset()) -> StrategySpec:
+                 requires: frozenset[str] | set[str] = frozenset(),
+                 export_formats: tuple[str, ...] | None = None) -> StrategySpec:
     """The spec of a strategy built on DFlash (Domino, DSpark): DFlash's engine requirements (plus
     ``requires``) and best checkpoint metric (``accept_len``, the variant's own), with its name,
-    factory, options and description."""
+    factory, options and description, and the serving formats it writes (default: DFlash's)."""
     return attrs.evolve(DFLASH_SPEC, name=name, factory=factory, options=options, description=description,
-                        requires=DFLASH_SPEC.requires | set(requires))
+                        requires=DFLASH_SPEC.requires | set(requires),
+                        export_formats=DFLASH_SPEC.export_formats if export_formats is None else export_formats)
 
 
 @hookimpl

@@ -50,5 +50,7 @@ class DominoOptions(DFlashOptions):
 
 @hookimpl
 def specforge_strategies():
+    # Only SGLang with Domino support serves it (vLLM has no Domino runtime).
     return [variant_spec("domino", "specforge_plugin_domino.strategy:DominoStrategy", DominoOptions,
-                         "Domino: DFlash block drafting plus a GRU over the drafted prefix that corrects the logits.")]
+                         "Domino: DFlash block drafting plus a GRU over the drafted prefix that corrects the logits.",
+                         export_formats=("sglang",))]

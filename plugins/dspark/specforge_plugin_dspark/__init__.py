@@ -51,7 +51,9 @@ class DSparkOptions(DFlashOptions):
 
 @hookimpl
 def specforge_strategies():
-    # The target's last hidden state too: the teacher distribution of the L1 term.
+    # The target's last hidden state too: the teacher distribution of the L1 term. SGLang and vLLM
+    # serve it from one folder; vLLM's speculators layout uses another slot convention.
     return [variant_spec("dspark", "specforge_plugin_dspark.strategy:DSparkStrategy", DSparkOptions,
                          "DSpark: DFlash block drafting with a Markov head over the previous token and a confidence "
-                         "head that can cut a block at decode time.", requires={"last_hidden"})]
+                         "head that can cut a block at decode time.", requires={"last_hidden"},
+                         export_formats=("sglang", "vllm"))]

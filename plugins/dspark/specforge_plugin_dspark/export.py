@@ -1,10 +1,13 @@
-"""The SGLang checkpoint of a DSpark draft: DFlash's layout, plus the heads' keys and config fields.
+"""The served checkpoint of a DSpark draft: DFlash's layout, plus the heads' keys and config fields.
 
 SGLang serves DSpark (``--speculative-algorithm DSPARK``) with ``Qwen3DSparkModel``, a
 ``DFlashDraftModel`` with a Markov head and a confidence head
 (``python/sglang/srt/models/dspark.py``; its config is read by
-``speculative/dspark_components/dspark_config.py``, on top of DFlash's parser). So the
-directory is DFlash's with four more tensors::
+``speculative/dspark_components/dspark_config.py``, on top of DFlash's parser); vLLM's
+``Qwen3DSparkModel`` (``vllm/model_executor/models/qwen3_dspark.py``, method ``dspark``) is its
+DFlash Qwen3 draft with the same two heads under the same names, reading ``markov_rank``,
+``enable_confidence_head`` and ``confidence_head_with_markov`` at the top level. One folder
+serves both (formats ``sglang`` and ``vllm``). The directory is DFlash's with four more tensors::
 
     layers.*  fc.weight  hidden_norm.weight  norm.weight     DFlash's keys, unchanged
     markov_head.markov_w1.weight    [V, r]                   Embedding(V, r)
@@ -29,7 +32,7 @@ from typing import Any, Mapping
 
 import torch
 
-from specforge_core.export import CONFIG_FILE, ExportConfig
+from specforge_core.export import CONFIG_FILE, ExportConfig, check_format
 
 from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.export import DFlashExportError, dflash_hf_config, load_backbone, write_export
@@ -40,6 +43,9 @@ from .model import DSparkBackbone
 STRATEGY = "dspark"
 #: The class SGLang (and vLLM) register for DSpark drafts.
 ARCHITECTURE = "Qwen3DSparkModel"
+#: The formats :func:`export_dspark` writes (one folder). Not vLLM's speculators layout: its DSpark
+#: convention (slot j predicts anchor + j) is not the one this draft is trained with.
+FORMATS = ("sglang", "vllm")
 
 
 class DSparkExportError(DFlashExportError, DSparkConfigError):
@@ -50,8 +56,9 @@ class DSparkExportError(DFlashExportError, DSparkConfigError):
     """
 
 
-def dspark_hf_config(model: DSparkBackbone) -> dict[str, Any]:
-    """``config.json`` of ``model``: DFlash's, with the architecture and the heads' fields SGLang reads."""
+def dspark_hf_config(model: DSparkBackbone, *, dtype: str | None = None, options: Any = None) -> dict[str, Any]:
+    """``config.json`` of ``model``: DFlash's (vLLM's fields, the dtype, the strategy and its options included),
+    with the architecture and the heads' fields SGLang and vLLM read."""
     head = model.head_config
     markov = {"markov_rank": head.markov_rank, "markov_head_type": head.markov_head_type}
     return dflash_hf_config(model, STRATEGY, {
@@ -60,12 +67,15 @@ def dspark_hf_config(model: DSparkBackbone) -> dict[str, Any]:
         **markov,
         "enable_confidence_head": True,
         "confidence_head_with_markov": head.confidence_with_markov,
-    })
+    }, dtype=dtype, options=options)
 
 
-def export_dspark(model: DSparkBackbone, out_dir: str | os.PathLike[str]) -> Path:
-    """The ``dspark`` export of ``model`` (every trainable tensor: the backbone's and the heads')."""
-    return write_export(model, out_dir, dspark_hf_config(model), error=DSparkExportError)
+def export_dspark(model: DSparkBackbone, out_dir: str | os.PathLike[str], *, dtype: str | None = None,
+                  options: Any = None, fmt: str = "sglang", target: Any = None) -> Path:
+    """The ``dspark`` export of ``model`` (every trainable tensor: the backbone's and the heads'), weights in
+    ``dtype`` (None: the draft's own); ``fmt`` sglang or vllm (the same folder)."""
+    check_format(fmt, FORMATS, STRATEGY, error=DSparkExportError)
+    return write_export(model, out_dir, dspark_hf_config(model, dtype=dtype, options=options), error=DSparkExportError)
 
 
 def head_from_hf(raw: Mapping[str, Any], source: Path) -> DSparkHeadConfig:

@@ -31,9 +31,9 @@ def test_export_holds_exactly_the_dflash_keys_plus_the_head_keys(tmp_path, rando
                                                                with_markov):
     info, frozen = random_target()
     strategy, model = make_draft(info, frozen, dtype=dtype, markov_rank=12, confidence_with_markov=with_markov)
-    strategy.export(model, str(tmp_path / "dspark"))
+    strategy.export(model, str(tmp_path / "dspark"), dtype=dtype)
     dflash = DFlashStrategy(DFlashOptions(block_size=4, num_layers=2, num_target_layers=3, dtype=dtype))
-    dflash.export(dflash.build_model(info, frozen, None), str(tmp_path / "dflash"))
+    dflash.export(dflash.build_model(info, frozen, None), str(tmp_path / "dflash"), dtype=dtype)
     tensors, _config = read(tmp_path / "dspark")
     dflash_tensors, _config = read(tmp_path / "dflash")
     assert set(tensors) == set(dflash_tensors) | HEAD_KEYS  # no embed_tokens, no lm_head
@@ -44,11 +44,15 @@ def test_export_holds_exactly_the_dflash_keys_plus_the_head_keys(tmp_path, rando
     assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
 
 
-def test_export_config_names_sglangs_dspark_class_and_the_heads(tmp_path, make_draft):
-    strategy, model = make_draft(markov_rank=12, confidence_with_markov=False)
+def test_export_config_names_the_dspark_class_and_the_heads_for_sglang_and_vllm(tmp_path, make_draft):
+    strategy, model = make_draft(markov_rank=12, confidence_with_markov=False, confidence_threshold=0.4)
     strategy.export(model, str(tmp_path))
-    _tensors, config = read(tmp_path)
+    tensors, config = read(tmp_path)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}  # the served dtype by default
+    assert config["torch_dtype"] == "bfloat16"
     assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]  # vLLM's numbering of layers [1, 3, 5]
+    assert config["specforge_strategy_options"]["confidence_threshold"] == 0.4  # `specforge eval` rebuilds with it
     assert config["specforge_strategy"] == "dspark" and "speculators_model_type" not in config
     assert config["dspark_config"] == {"markov_rank": 12, "markov_head_type": "vanilla", "mask_token_id": 96}
     assert (config["markov_rank"], config["markov_head_type"]) == (12, "vanilla")
@@ -62,7 +66,7 @@ def test_export_config_names_sglangs_dspark_class_and_the_heads(tmp_path, make_d
 def test_load_export_gives_the_same_draft(tmp_path, random_target, make_draft, with_markov):
     info, frozen = random_target()
     strategy, model = make_draft(info, frozen, confidence_with_markov=with_markov)
-    strategy.export(model, str(tmp_path))
+    strategy.export(model, str(tmp_path), dtype="float32")
     # A strategy with other head options still loads the export as written: the heads come from config.json.
     other, _ = make_draft(info, frozen, markov_rank=4, confidence_with_markov=not with_markov, perturb=False)
     reloaded = other.load_export(str(tmp_path), info, frozen)
@@ -108,6 +112,15 @@ def test_a_damaged_or_foreign_config_is_refused_naming_the_file_and_field(tmp_pa
         strategy.load_export(str(tmp_path), info, frozen)
     assert str(tmp_path / "config.json") in str(excinfo.value) and message in str(excinfo.value)
     assert isinstance(excinfo.value, DFlashExportError) and isinstance(excinfo.value, DSparkConfigError)
+
+
+def test_only_the_formats_sglang_and_vllm_serve_are_written(tmp_path, make_draft):
+    strategy, model = make_draft()
+    strategy.export(model, str(tmp_path / "vllm"), fmt="vllm")
+    assert read(tmp_path / "vllm")[1]["architectures"] == ["Qwen3DSparkModel"]  # the same folder serves both
+    with pytest.raises(DSparkExportError, match="strategy 'dspark' exports as sglang, vllm, not 'speculators'"):
+        strategy.export(model, str(tmp_path / "spec"), fmt="speculators")
+    assert not (tmp_path / "spec").exists()
 
 
 def test_an_export_for_another_target_is_refused_naming_both_shapes(tmp_path, random_target, make_draft):

@@ -32,6 +32,7 @@ def specforge_strategies():
             options=ExampleOptions,
             description="Medusa-style heads on the target's last hidden state, each drafting one more token ahead.",
             requires={"last_hidden", "verify"},  # trains on the lm_head input; decodes against the target
+            export_formats=("example",),  # its own format: no serving engine loads it, `specforge eval` measures it
             best_metric="tau_sim",  # a derived metric (see derived_metrics), named without its "eval/" prefix
             best_mode="max",
         )

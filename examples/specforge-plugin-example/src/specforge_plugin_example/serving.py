@@ -1,9 +1,10 @@
 """Export, load and speculative decoding of the example draft.
 
-Export: ``model.safetensors`` (the heads; the frozen lm_head is left out) and ``config.json``
-naming the strategy, written and read with the core's helpers (atomic write; field-checked read;
-weights checked against the draft they go into). No serving engine loads this architecture:
-it is a specforge-only format, measured with ``specforge eval``.
+Export: ``model.safetensors`` (the heads, in the export dtype; the frozen lm_head is left out)
+and ``config.json`` naming the strategy and the options it was trained with, written and read
+with the core's helpers (atomic write; field-checked read; weights checked by name and shape
+against the draft they go into). No serving engine loads this architecture: it is the plugin's
+own format (``export_formats = ("example",)``), measured with ``specforge eval``.
 
 Speculative decoding (greedy, lossless)::
 
@@ -23,7 +24,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from specforge_core.export import (ExportError, export_state, load_checked_state, load_weights, open_export,
-                                   write_export_files)
+                                   strategy_fields, write_export_files)
 from specforge_core.protocols import SpeculationResult
 from specforge_core.speculative import accept_drafts, prompt_outputs, stop_token_ids
 
@@ -36,10 +37,11 @@ class ExampleExportError(ExportError):
     """An example export is missing, damaged, or does not fit the target."""
 
 
-def export_draft(model: ExampleDraft, out_dir: str | os.PathLike[str]) -> Path:
-    config = {"architectures": [ARCHITECTURE], "specforge_strategy": "example", "num_heads": len(model.heads),
-              "hidden_size": model.lm_head.shape[1], "vocab_size": model.lm_head.shape[0]}
-    return write_export_files(out_dir, export_state(model), config, error=ExampleExportError)
+def export_draft(model: ExampleDraft, out_dir: str | os.PathLike[str], *, dtype: str | None = None,
+                 options: Any = None) -> Path:
+    config = {"architectures": [ARCHITECTURE], "num_heads": len(model.heads), "hidden_size": model.lm_head.shape[1],
+              "vocab_size": model.lm_head.shape[0], **strategy_fields("example", options)}
+    return write_export_files(out_dir, export_state(model, dtype), config, error=ExampleExportError)
 
 
 def load_draft(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.Tensor]) -> ExampleDraft:
@@ -50,7 +52,9 @@ def load_draft(path: str | os.PathLike[str], frozen_parts: Mapping[str, torch.Te
         raise config.fail(f"describes a draft for a target with vocabulary {vocab} and hidden size {hidden}, but this "
                           f"target's lm_head is {list(frozen_parts['lm_head'].shape)}; use the target it was trained for")
     model = ExampleDraft(hidden, config.value("num_heads", int), frozen_parts["lm_head"])
-    return load_checked_state(model, load_weights(path, error=ExampleExportError), str(config.source), error=ExampleExportError)
+    # dtypes=False: the heads were exported in the serving dtype and run here in float32
+    return load_checked_state(model, load_weights(path, error=ExampleExportError), str(config.source),
+                              error=ExampleExportError, dtypes=False)
 
 
 @torch.no_grad()

@@ -80,8 +80,10 @@ class ExampleStrategy:
         return {"tau_sim": tau}
 
     # -- serving (serving.py) ----------------------------------------------------------------
-    def export(self, model: ExampleDraft, out_dir: str, target: TargetInfo | None = None) -> str:
-        return str(export_draft(model, out_dir))
+    def export(self, model: ExampleDraft, out_dir: str, target: TargetInfo | None = None, *,
+               dtype: str | None = None) -> str:
+        """The spec's one format, ``example``; weights in ``dtype`` (None: as trained)."""
+        return str(export_draft(model, out_dir, dtype=dtype, options=self.options))
 
     def load_export(self, path: str, target: TargetInfo | None, frozen_parts: Mapping[str, Any]) -> ExampleDraft:
         return load_draft(path, frozen_parts)
