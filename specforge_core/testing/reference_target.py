@@ -105,10 +105,13 @@ class ReferenceTarget:
         return {"logits": last @ self.lm_head.T, "layers": outputs, "last_hidden": last}
 
     def _check_plan(self, plan: CapturePlan) -> None:
-        bad = [i for i in plan.layer_ids if not 0 <= i < self.num_layers]
+        # Layer id i is the hidden state entering decoder layer i+1, what serving engines capture: the
+        # last layer's output (id L-1) is no layer's input, so the servable ids are 0..L-2.
+        bad = [i for i in plan.layer_ids if not 0 <= i <= self.num_layers - 2]
         if bad:
-            raise TargetEngineError(f"capture plan layer ids {bad} are outside this target's layers "
-                                    f"0..{self.num_layers - 1}")
+            raise TargetEngineError(f"capture plan layer ids {bad} are not layers a serving engine captures: this "
+                                    f"target's ids are 0..{self.num_layers - 2} (id i is the input of decoder "
+                                    "layer i+1)")
 
     def _features(self, result: Mapping[str, Any], plan: CapturePlan, start: int) -> dict[str, torch.Tensor]:
         """The plan's features of positions ``start:`` of a forward, in the plan's dtypes (default: the target's)."""
