@@ -53,8 +53,9 @@ KINDS: dict[str, Kind] = {
         "1. Replace the model and the loss in `strategy.py` (keep `capture_plan`, `build_model`, `collate`,\n"
         "   `forward_loss`); `specforge run --strategy {name}` trains it on the embedded toy target.\n"
         "2. Give the draft a served format and a real acceptance length: add `export`, `load_export` and\n"
-        "   `speculate` (all three) and `\"verify\"` to the spec's `requires`; the conformance suite then checks\n"
-        "   the export round trip and that decoding is lossless, and runs report `tau_real`.\n"
+        "   `speculate` (all three), the formats `export` writes to the spec's `export_formats` and `\"verify\"`\n"
+        "   to its `requires`; the conformance suite then checks the export round trip and that decoding is\n"
+        "   lossless, and runs report `tau_real`.\n"
         "3. Add `derived_metrics` for metrics computed from pooled ones, and point `best_metric` at one."),
     "target-engine": Kind(
         "target_engine", "engine", "target engine",
