@@ -57,10 +57,18 @@ def cli() -> None:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a JSON list, one entry per plugin.")
-def plugins(as_json: bool) -> None:
-    """List installed plugins, their versions, status and what they provide."""
+@click.option("--check", is_flag=True,
+              help="Also import every component's implementation (the factory its spec names), which listing "
+                   "alone does not, and exit 1 if one fails.")
+def plugins(as_json: bool, check: bool) -> None:
+    """List installed plugins, their versions, status and what they provide.
+
+    Listing imports only the plugins' hook modules, so it stays fast; `--check` imports each
+    implementation too (torch and all), the way a run would.
+    """
     manager = get_plugin_manager()
     records = manager.plugin_list()
+    broken = _check_factories(manager, records) if check else {}
     if as_json:
         click.echo(json.dumps(records, indent=2))
     else:
@@ -70,8 +78,30 @@ def plugins(as_json: bool) -> None:
                        + (f"  {provides}" if provides else ""))
             if record["error"]:
                 click.echo(f"{'':<12} error: {record['error']}")
+            for message in record.get("factory_errors", []):
+                click.echo(f"{'':<12} error: {message}")
     for message in manager.conflicts():
         click.echo(f"conflict: {message}", err=True)
+    if broken:
+        sys.exit(1)
+
+
+def _check_factories(manager: Any, records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Import the factory of every spec of every active plugin; record failures as ``factory_errors``."""
+    from .preflight import load_factory
+
+    broken: dict[str, list[str]] = {}
+    for record in records:
+        if record["status"] != "active":
+            continue
+        for kind, names in record["provides"].items():
+            for name in names:
+                try:
+                    load_factory(manager.get(kind, name))
+                except SpecforgeError as exc:
+                    broken.setdefault(record["name"], []).append(str(exc))
+        record["factory_errors"] = broken.get(record["name"], [])
+    return broken
 
 
 @cli.command()
@@ -88,10 +118,19 @@ def options(kind: str, name: str) -> None:
         spec = get_plugin_manager().get(kind, name)
     except SpecforgeError as exc:
         _fail(exc)
+    from .specs import ENGINE_CAPABILITIES
+
     click.echo(f"{spec.origin()}: {spec.description}")
     if kind == "strategy":
         formats = ", ".join(spec.export_formats) or "none (it cannot be exported for serving)"
         click.echo(f"  export formats: {formats}")
+    for label, names in (("requires", getattr(spec, "requires", None)),
+                         ("capabilities", getattr(spec, "capabilities", None))):
+        if names:
+            click.echo(f"  {label}: {', '.join(sorted(names))}")
+            for name in sorted(names):
+                if name in ENGINE_CAPABILITIES:
+                    click.echo(f"      {name}: {ENGINE_CAPABILITIES[name]}")
     rows = describe_options(spec.options)
     if not rows:
         click.echo("  (no options)")
@@ -151,6 +190,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
     """
     from .config import apply_sets, check_data_files, load_config_file, resolve_plan, set_option
+    from .preflight import check_plan
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -169,6 +209,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             raw["role"] = role
         raw = apply_sets(raw, assignments)
         plan = resolve_plan(get_plugin_manager(), raw)
+        check_plan(plan)  # every factory imports, the strategy has its methods: before any model loads
         check_data_files(plan)
         if plan.role == "producer":
             for flag, given in (("--resume", resume), ("--overwrite", overwrite)):
@@ -249,6 +290,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     """
     from .topologies.offline import run_capture
     from .config import apply_sets, check_data_files, load_config_file, resolve_plan, set_option
+    from .preflight import check_plan
 
     try:
         raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
@@ -260,6 +302,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
             if value:
                 set_option(raw, section, key, value)
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
+        check_plan(plan)
         check_data_files(plan)
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:
@@ -275,8 +318,9 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
 @click.argument("source", type=click.Path(exists=True, file_okay=False), metavar="RUN_OR_CHECKPOINT")
 @click.option("--format", "fmt", default=None, metavar="FORMAT",
               help="Serving format to write: one the strategy's plugin declares (eagle3 and dflash: sglang, vllm, "
-                   "speculators; domino: sglang). Default: the strategy's first. `sglang` and `vllm` write the same "
-                   "folder for eagle3 and dflash: it serves in both engines.")
+                   "speculators; domino: sglang; dspark: sglang, vllm; `specforge options strategy NAME` lists them). "
+                   "Default: the strategy's first. `sglang` and `vllm` write the same folder for eagle3, dflash and "
+                   "dspark: it serves in both engines.")
 @click.option("--dtype", default=DEFAULT_EXPORT_DTYPE, show_default=True, type=click.Choice(EXPORT_DTYPES),
               help="dtype of the exported weights: the dtype the draft will be served in (SGLang and vLLM serve a "
                    "float32 export as float16 under --dtype auto).")
@@ -366,6 +410,43 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
         click.echo(f"speed: greedy {result['greedy_tokens_per_s']:.1f} tokens/s, speculative "
                    f"{result['speculative_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x "
                    "(wall clock on this machine, batch 1)")
+
+
+@cli.group()
+def plugin() -> None:
+    """Write new plugins (`specforge plugin new`); list installed ones with `specforge plugins`."""
+
+
+@plugin.command(name="new")
+@click.argument("name")
+@click.option("--kind", required=True,
+              type=click.Choice(["strategy", "target-engine", "feature-store", "control-plane", "tracker"]),
+              help="What the plugin provides.")
+@click.option("--output", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Folder to create specforge-plugin-NAME in.")
+def plugin_new(name: str, kind: str, output: str) -> None:
+    """Write a working skeleton distribution for plugin NAME.
+
+    The folder specforge-plugin-NAME holds pyproject.toml (with the `specforge` entry point), a
+    hook module, an implementation that works as generated and passes its conformance suite, a
+    README with the next steps, and tests. Example:
+
+        specforge plugin new medusa --kind strategy && pip install -e "specforge-plugin-medusa[test]"
+    """
+    from .scaffold import KINDS, new_plugin
+
+    try:
+        target = new_plugin(name, kind, output)
+    except SpecforgeError as exc:
+        _fail(exc)
+    component = KINDS[kind].component
+    if component is not None and name in get_plugin_manager().specs(component):
+        existing = get_plugin_manager().get(component, name)
+        click.echo(f"note: {existing.origin()} is already installed; installing this plugin too makes the name "
+                   "ambiguous (an error) until one of them is uninstalled or renamed", err=True)
+    click.echo(f"wrote {target}")
+    click.echo(f"next: pip install -e \"{target}[test]\" && SPECFORGE_STRICT_PLUGINS=1 python -m pytest -q "
+               f"{target / 'tests'}  (then see {target / 'README.md'})")
 
 
 def build_cli() -> click.Group:

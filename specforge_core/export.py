@@ -78,6 +78,7 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
     from .config import plan_to_raw, resolve_plan
     from .features import FeatureSet, frozen_fingerprint
     from .components import build_component
+    from .preflight import check_strategy
     from .training.checkpoint import load_model_state
     from .training.distributed import DistInfo
 
@@ -88,6 +89,7 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
     plan = resolve_plan(manager, plan_to_raw(run["config"]))
     context = BuildContext(run_id=plan.run_id, output_dir=str(run_dir))
     strategy = build_component(plan, "strategy", context)
+    check_strategy(strategy, plan["strategy"].spec)
     target = TargetInfo(**run["target"])
     if run.get("features"):
         frozen = FeatureSet.open(run["features"]).frozen_parts()
@@ -175,7 +177,7 @@ def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine:
     """
     import attrs as _attrs
 
-    from .options import build_options
+    from .preflight import check_strategy
 
     config = open_export(draft_dir, what="an exported draft", weights=False)
     name = config.get(STRATEGY_FIELD)
@@ -187,7 +189,8 @@ def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine:
     known = {field.name for field in _attrs.fields(spec.options)} if _attrs.has(spec.options) else set()
     values = {key: value for key, value in recorded.items() if key in known}
     values.update(overrides or {})
-    strategy = spec.load_factory()(build_options(spec.options, values, section="strategy"), BuildContext())
+    strategy = spec.load_factory()(spec.build_options(values), BuildContext())
+    check_strategy(strategy, spec)
     model = strategy.load_export(str(config.source.parent), engine.info(), engine.frozen_parts())
     return strategy, model
 

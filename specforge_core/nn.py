@@ -52,8 +52,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x`` rotated by per-position angles (rotate-half convention, as Llama and Qwen3), in
-    float32, back in ``x``'s dtype. ``cos``/``sin`` broadcast against ``x`` (last dim head_dim)."""
+    float32 (float64 for a float64 ``x``), back in ``x``'s dtype. ``cos``/``sin`` broadcast
+    against ``x`` (last dim head_dim)."""
     half = x.shape[-1] // 2
-    xf = x.float()
+    xf = x if x.dtype == torch.float64 else x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)

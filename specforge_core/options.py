@@ -134,8 +134,12 @@ def option_fields(cls: type) -> tuple[attrs.Attribute, ...]:
     return attrs.fields(attrs.resolve_types(cls))
 
 
-def build_options(cls: type, values: Mapping[str, Any] | None, *, section: str) -> Any:
-    """Instantiate options class ``cls`` from a mapping, validating every key and value."""
+def build_options(cls: type, values: Mapping[str, Any] | None, *, section: str, owner: str | None = None) -> Any:
+    """Instantiate options class ``cls`` from a mapping, validating every key and value.
+
+    ``owner`` names the component the options belong to (``strategy 'x' (dist 1.0)``) in the
+    message about a required option left unset.
+    """
     values = dict(values or {})
     fields = {f.name: f for f in option_fields(cls)}
     unknown = sorted(set(values) - set(fields))
@@ -144,6 +148,12 @@ def build_options(cls: type, values: Mapping[str, Any] | None, *, section: str) 
         raise OptionError(
             f"unknown option '{section}.{unknown[0]}'; {section} accepts: {accepted}"
         )
+    required = [name for name, field in fields.items() if field.default is attrs.NOTHING and name not in values]
+    if required:
+        key = f"{section}.{required[0]}"
+        doc = fields[required[0]].metadata.get("doc")
+        raise OptionError(f"{owner or section} needs option '{key}'{f' ({doc})' if doc else ''}, which has no "
+                          f"default: set it with --set {key}=VALUE or in the config file's {section} section")
     kwargs = {}
     for name, value in values.items():
         field = fields[name]

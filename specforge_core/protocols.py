@@ -107,15 +107,17 @@ class TargetInfo:
 class CapturePlan:
     """Which target layers a strategy needs and the features it will read from a sample.
 
-    ``layer_ids`` are decoder-layer indices (layer id i = transformers ``hidden_states[i+1]``),
-    concatenated in this order into the feature named ``hidden_feature`` (EAGLE3:
-    ``aux_hidden``, DFlash: ``target_hidden``);
-    ``last_hidden`` asks for the lm_head input; ``features`` maps each stored feature name
-    to its :class:`~specforge_core.contracts.FeatureSpec` (``-1`` for the sequence length).
+    ``layer_ids`` are decoder-layer indices (layer id i = transformers ``hidden_states[i+1]``);
+    their outputs are concatenated in this order into one feature named ``hidden_feature``,
+    ``[S, len(layer_ids) * H]`` (EAGLE3 names it ``aux_hidden``, DFlash ``target_hidden``).
+    ``last_hidden`` asks for the lm_head input ``[S, H]`` (the final norm's output).
+    ``features`` maps each stored feature name to its
+    :class:`~specforge_core.contracts.FeatureSpec` (``-1`` for the sequence length); a plan
+    with no ``layer_ids`` captures no concatenated feature.
     """
 
     layer_ids: tuple[int, ...] = attrs.field(converter=tuple, factory=tuple)
-    hidden_feature: str = "aux_hidden"
+    hidden_feature: str = "target_hidden"
     last_hidden: bool = False
     features: dict[str, Any] = attrs.field(factory=dict)
 
@@ -155,18 +157,27 @@ class Strategy(Protocol):
     ``nn.Module``; frozen target parts it uses are frozen parameters or non-persistent
     buffers, so checkpoints leave them out); ``collate`` turns stored samples into a
     :class:`TrainBatch`; ``forward_loss`` returns a :class:`StepOutput` with ratio metrics as
-    (numerator, denominator).
+    (numerator, denominator). ``specforge run`` checks these four exist before anything
+    heavy is built (``isinstance(strategy, Strategy)``).
 
-    Strategies that can be served declare their formats in their spec (``export_formats``)
-    and implement ``export(model, out_dir, target, *, fmt, dtype)`` (a directory the serving
-    engine of format ``fmt`` loads, floating-point weights in ``dtype``; its config.json names
-    the strategy and its options under ``specforge_strategy`` and
-    ``specforge_strategy_options``, see :func:`specforge_core.export.strategy_fields`; an
-    implementation may accept fewer keyword arguments), ``load_export(path, target,
-    frozen_parts)`` (the model back from a directory in any format it writes) and
-    ``speculate(model, session, prompt_ids, *, max_new_tokens, eos_token_id)`` (a real
-    speculative decode against a :class:`VerifySession`, returning a
-    :class:`SpeculationResult`).
+    Optional methods the core calls when present:
+
+    * ``derived_metrics(pooled) -> dict`` — metrics computed from pooled ratio metrics
+      (``tau_sim``), added to training and eval records;
+    * ``export(model, out_dir, target, *, fmt, dtype)`` — write the draft in serving format
+      ``fmt`` (one of the formats its spec declares in ``export_formats``: a directory the
+      serving engine of that format loads), floating-point weights in ``dtype``; its
+      config.json names the strategy and its options under ``specforge_strategy`` and
+      ``specforge_strategy_options`` (see :func:`specforge_core.export.strategy_fields`); an
+      implementation may accept fewer keyword arguments;
+    * ``load_export(path, target, frozen_parts)`` — the model back from a directory in any
+      format it writes;
+    * ``speculate(model, session, prompt_ids, *, max_new_tokens, eos_token_id)`` — a real
+      speculative decode against a :class:`VerifySession`, returning a
+      :class:`SpeculationResult` whose tokens must equal the target's greedy decode.
+
+    The last three go together (a strategy with some but not all of them is refused): they
+    give a trained draft a served format and a measured acceptance length (``tau_real``).
     """
 
     def capture_plan(self, target: TargetInfo) -> CapturePlan: ...
@@ -183,12 +194,17 @@ class VerifySession(Protocol):
     """A target forward with a KV cache, for speculative decoding.
 
     ``extend(ids)`` runs the target over new tokens appended to the cached prefix and
-    returns, for those tokens only, ``logits [n, V]`` plus the plan's features
-    (``hidden_feature [n, k*H]``, ``last_hidden [n, H]`` when asked); ``truncate(length)``
-    drops cached positions at and beyond ``length`` (rejected draft tokens).
+    returns, for those tokens only, ``logits [n, V]`` plus the plan's features (the plan's
+    ``hidden_feature`` ``[n, len(layer_ids) * H]``, ``last_hidden [n, H]`` when asked);
+    ``truncate(length)`` drops cached positions at and beyond ``length`` (rejected draft
+    tokens); ``length`` is the number of cached positions. ``prefill`` holds what ``extend``
+    returned for the prompt the session was opened on (None for a session opened empty), so
+    a strategy's ``speculate`` takes the first token and its first context from it
+    (:func:`specforge_core.speculative.prompt_outputs`).
     """
 
     length: int
+    prefill: dict[str, Any] | None
 
     def extend(self, ids: Any) -> dict[str, Any]: ...
 
@@ -200,9 +216,19 @@ class TargetEngine(Protocol):
     """Runs the target model. Built by its spec's factory as ``factory(options, context)``.
 
     ``capture(samples, plan)`` takes dicts with a 1-D ``input_ids`` tensor each and returns,
-    per sample and **unpadded**, the plan's features; ``frozen_parts()`` returns the target's
-    ``embed_tokens``, ``lm_head`` and ``norm`` weights (read-only, shared with drafts);
-    ``session(prompt_ids, plan)`` starts a :class:`VerifySession`.
+    per sample and **unpadded**, the plan's features (other keys of a sample pass through);
+    ``session(prompt_ids, plan)`` starts a :class:`VerifySession` over the prompt.
+
+    ``frozen_parts()`` returns the target weights drafts reuse, as tensors in the target's
+    dtype and on its device, ``requires_grad`` False:
+
+    * ``embed_tokens [V, H]`` — the input embedding;
+    * ``lm_head [V, H]`` — the output projection (the same tensor as ``embed_tokens`` for a
+      target with tied embeddings);
+    * ``norm [H]`` — the final norm's weight.
+
+    They may share memory with the running target (the hf engine's do): read them, never
+    write them; a draft that needs to change one copies it.
     """
 
     def info(self) -> TargetInfo: ...

@@ -23,6 +23,7 @@ from .config import RunPlan, engine_train_suggestions, with_suggested_train_opti
 from .errors import SpecforgeError
 from .options import options_to_dict
 from .plugins import PluginManager
+from .preflight import check_strategy
 from .protocols import BuildContext
 
 
@@ -109,6 +110,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         context = BuildContext(run_id=plan.run_id, output_dir=plan.output, rank=info.rank,
                                world_size=info.world_size, role=role)
         strategy = build_component(plan, "strategy", context)
+        check_strategy(strategy, plan["strategy"].spec)  # before the target engine or any feature loads
         if plan.role == "consumer":
             source = StreamSource(plan, strategy, context, sync=lambda: barrier(info))
         elif plan.features:

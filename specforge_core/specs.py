@@ -76,22 +76,36 @@ class ComponentSpec:
         return obj
 
     def build_options(self, values: dict[str, Any] | None = None) -> Any:
-        return build_options(self.options, values, section=self.kind)
+        return build_options(self.options, values, section=self.kind, owner=self.origin())
 
     def origin(self) -> str:
         return f"{self.kind} '{self.name}'" + (f" ({self.provenance.describe()})" if self.provenance else "")
+
+
+#: The capability names target engines declare and strategies require, and what each promises.
+#: An engine may declare more (a third-party strategy and engine can agree on their own names).
+ENGINE_CAPABILITIES = {
+    "aux_hidden_states": "capture() returns the outputs of the plan's layer_ids, concatenated into the plan's "
+                         "hidden_feature [S, len(layer_ids)*H]",
+    "last_hidden": "capture() returns last_hidden [S, H], the lm_head input, when the plan asks (last_hidden=True)",
+    "frozen_parts": "frozen_parts() returns embed_tokens [V, H], lm_head [V, H] and norm [H] of the target",
+    "verify": "session(prompt_ids, plan) opens a VerifySession (extend / truncate / prefill): what a strategy's "
+              "speculate, and so tau_real, needs",
+}
 
 
 @attrs.frozen(kw_only=True)
 class StrategySpec(ComponentSpec):
     """A draft algorithm.
 
-    ``requires`` lists target-engine capabilities it needs (e.g. ``"aux_hidden_states"``,
-    ``"last_hidden"``, ``"verify"``); ``best_metric`` names the eval metric that picks the
-    best checkpoint and whether higher is better; ``export_formats`` names the serving
-    formats its ``export`` can write (``"sglang"``, ``"vllm"``, ``"speculators"``, or a
-    plugin's own), the first being the default — empty when the draft cannot be served, and
-    then ``specforge export`` refuses it.
+    ``requires`` lists target-engine capabilities it needs (:data:`ENGINE_CAPABILITIES`: e.g.
+    ``"aux_hidden_states"``, ``"last_hidden"``; a strategy that trains from features and also
+    decodes needs ``"verify"`` for its real acceptance check); ``best_metric`` names the eval
+    metric that picks the best checkpoint, as the strategy reports it (``"accept_len"``, not
+    ``"eval/accept_len"``), and ``best_mode`` whether higher (``"max"``) or lower is better;
+    ``export_formats`` names the serving formats its ``export`` can write (``"sglang"``,
+    ``"vllm"``, ``"speculators"``, or a plugin's own), the first being the default — empty
+    when the draft cannot be served, and then ``specforge export`` refuses it.
     """
 
     kind = "strategy"
@@ -103,7 +117,8 @@ class StrategySpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class TargetEngineSpec(ComponentSpec):
-    """Something that runs the target model and produces features.
+    """Something that runs the target model and produces features; ``capabilities`` names what it can give
+    (:data:`ENGINE_CAPABILITIES`).
 
     ``train_suggestions`` optionally names (lazily, ``"package.module:function"``) a
     ``function(options) -> dict`` of ``train`` defaults the engine suggests for a target,
@@ -157,6 +172,7 @@ FIRST_PARTY = {
     ("strategy", "eagle3"): "specforge-plugin-eagle3",
     ("strategy", "dflash"): "specforge-plugin-dflash",
     ("strategy", "domino"): "specforge-plugin-domino",
+    ("strategy", "dspark"): "specforge-plugin-dspark",
     ("target_engine", "hf"): "specforge-plugin-hf",
     ("target_engine", "sglang"): "specforge-plugin-sglang",
     ("feature_store", "mooncake"): "specforge-plugin-mooncake",

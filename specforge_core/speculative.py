@@ -44,13 +44,39 @@ def stop_token_ids(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(i) for i in eos_token_id)
 
 
+def accept_drafts(drafts: Sequence[int], target_next: Sequence[int], *, stop: frozenset[int] = frozenset(),
+                  budget: int | None = None) -> tuple[int, list[int]]:
+    """Greedy verification of one round: ``(accepted, new tokens)``.
+
+    ``drafts`` are the n drafted tokens the target just verified after the last token;
+    ``target_next`` its n+1 argmax tokens, one after each verified position. ``accepted`` is
+    the length of the drafts' prefix that matches; the new tokens are those drafts and then the
+    target's own next token (the bonus), cut after the first token in ``stop`` and to at most
+    ``budget`` tokens. Every emitted token is the target's argmax given the ones before it,
+    which is why the decode equals the target's greedy decode. Roll the session back to the
+    last token plus the ``accepted`` drafts.
+    """
+    drafts, target_next = [int(t) for t in drafts], [int(t) for t in target_next]
+    if len(target_next) != len(drafts) + 1:
+        raise ValueError(f"accept_drafts needs one target token per verified position: {len(drafts)} drafts and "
+                         f"the token before them, so {len(drafts) + 1}, got {len(target_next)}")
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target_next[accepted]:
+        accepted += 1
+    new = drafts[:accepted] + [target_next[accepted]]
+    for index, token in enumerate(new):
+        if token in stop:
+            new = new[: index + 1]
+            break
+    return accepted, new if budget is None else new[:budget]
+
+
 def prompt_outputs(session: Any, prompt: torch.Tensor) -> dict[str, Any]:
     """The target's outputs for ``prompt`` (1-D token ids), for a strategy's ``speculate``: the
-    session's own prefill (engines run the prompt when they open a session, e.g. the hf engine's
-    ``session.prefill``), or an ``extend`` of an empty session."""
-    prefill = getattr(session, "prefill", None)
-    if prefill is not None and session.length == prompt.numel():
-        return prefill
+    session's ``prefill`` (engines run the prompt when they open a session on it), or an
+    ``extend`` of a session opened empty."""
+    if session.prefill is not None and session.length == prompt.numel():
+        return session.prefill
     if session.length == 0:
         return session.extend(prompt)
     raise ValueError(f"speculate needs a session holding exactly the prompt ({prompt.numel()} tokens, with its "

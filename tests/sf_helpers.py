@@ -19,12 +19,29 @@ def example_site(path: Path, linear_module: str):
     from specforge_core.testing import FakeSite
 
     site = FakeSite(path)
-    site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
-             modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
-                      "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
+    site.add("specforge-plugin-example", "0.2.0", entry_points={"example": "specforge_plugin_example"},
+             modules={f"specforge_plugin_example.{path.stem}": path.read_text() for path in EXAMPLE.glob("*.py")})
     site.add("specforge-plugin-linear", "0.0.7", entry_points={"linear": linear_module},
              modules={linear_module: LINEAR})
     return site
+
+
+def strategy_source(name: str = "Strategy", *, loss_method: str = "forward_loss") -> str:
+    """Source of a strategy class with the protocol's four methods (which do nothing), for fake plugins
+    whose runs stop at a dry run; ``loss_method`` renames the fourth (a misspelling)."""
+    return f"""
+class {name}:
+    def __init__(self, options, context):
+        self.options = options
+
+    def capture_plan(self, target): ...
+
+    def build_model(self, target, frozen_parts, stats): ...
+
+    def collate(self, samples, sample_ids): ...
+
+    def {loss_method}(self, model, batch, ctx): ...
+"""
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False, timeout: float = 120,
@@ -44,18 +61,7 @@ def plugins_json(env: dict[str, str] | None = None) -> list[dict]:
 
 def run_specforge(*args: str, env: dict[str, str] | None = None, ranks: int = 1, expect: int | None = 0,
                   timeout: float = 600) -> subprocess.CompletedProcess:
-    """``specforge ARGS`` in a subprocess (under torchrun with gloo when ``ranks`` > 1).
+    """``specforge ARGS`` in a subprocess (the plugin kit's :func:`specforge_core.testing.cli.run_specforge`)."""
+    from specforge_core.testing.cli import run_specforge as run
 
-    Strict plugin loading, one thread per process (tests share two cores), offline hub.
-    ``expect`` is the exit status to assert (None: don't check).
-    """
-    environ = dict(os.environ if env is None else env)
-    environ.update(SPECFORGE_STRICT_PLUGINS=environ.get("SPECFORGE_STRICT_PLUGINS", "1"), OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1")
-    cmd = [SPECFORGE, *args] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-        "-m", "specforge_core.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout)
-    if expect is not None and proc.returncode != expect:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return proc
+    return run(*args, env=env, ranks=ranks, expect=expect, timeout=timeout)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from sf_helpers import SPECFORGE, plugins_json, run_cli
+from sf_helpers import SPECFORGE, plugins_json, run_cli, strategy_source
 
 import specforge_core
 
@@ -27,6 +27,7 @@ class Opts:
 def specforge_strategies():
     return [StrategySpec(name="toyalgo", factory="sf_cli_toyalgo:Strategy", options=Opts, requires={"last_hidden"})]
 
+
 @hookimpl
 def specforge_add_commands(cli):
     import click
@@ -41,7 +42,7 @@ def specforge_add_commands(cli):
 @pytest.fixture
 def toy_env(fake_site):
     fake_site.add("specforge-plugin-toyalgo", "0.4.2", entry_points={"toyalgo": "sf_cli_toyalgo"},
-                  modules={"sf_cli_toyalgo": EXAMPLE_STRATEGY})
+                  modules={"sf_cli_toyalgo": EXAMPLE_STRATEGY + strategy_source()})
     fake_site.add("specforge-plugin-crashy", "0.0.1", entry_points={"crashy": "sf_cli_crashy"},
                   modules={"sf_cli_crashy": "raise ImportError('needs libfoo')\n"})
     return fake_site.env(SPECFORGE_STRICT_PLUGINS="0")

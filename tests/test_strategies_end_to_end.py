@@ -17,6 +17,7 @@ SMALL = {
     "dflash": ["--set", "strategy.block_size=4", "--set", "strategy.num_anchors=4"],
     "domino": ["--set", "strategy.block_size=4", "--set", "strategy.num_anchors=4", "--set", "strategy.emb_dim=16",
                "--set", "strategy.gru_hidden_dim=16"],
+    "dspark": ["--set", "strategy.block_size=4", "--set", "strategy.num_anchors=4", "--set", "strategy.markov_rank=16"],
 }
 
 
@@ -27,7 +28,7 @@ def installed(name):
 
 
 STRATEGIES = [pytest.param(name, marks=pytest.mark.skipif(not installed(name), reason=f"{name} not installed"))
-              for name in ("eagle3", "dflash", "domino")]
+              for name in ("eagle3", "dflash", "domino", "dspark")]
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,8 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(s
     (["--set", "train.batch_size=3"], "batch_size changed (checkpoint: 2, now: 3)"),
     (["--set", "train.accumulation_steps=2"], "accumulation_steps changed (checkpoint: 1, now: 2)"),
     (["--set", "strategy.hidden=8"], "strategy_options.hidden changed (checkpoint: 16, now: 8)"),
-    (["--set", "train.max_steps=12"], "total_steps changed (checkpoint: 4, now: 12)"),
+    (["--set", "train.max_steps=3"], "it has already trained 4 optimizer steps, more than the 3 this run plans; "
+                                     "raise train.max_steps (or train.epochs) to at least 4"),
 ])
 def test_resume_with_a_changed_contract_is_refused_naming_the_field(site, features, tmp_path, change, field):
     out = tmp_path / "out"
@@ -126,6 +127,21 @@ def test_resume_with_a_changed_contract_is_refused_naming_the_field(site, featur
     assert field in proc.stderr
     assert "cannot resume from" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == before  # nothing written, nothing lost
+
+
+def test_a_finished_run_is_extended_by_resuming_with_more_steps(site, features, tmp_path):
+    # A constant schedule: the extended run then trains exactly like one planned for 10 steps.
+    args = ("--set", "train.epochs=100", "--set", "train.schedule=constant")
+    full, extended = tmp_path / "full", tmp_path / "extended"
+    specforge(site, *train_args(features, full, *args, steps=10))
+    specforge(site, *train_args(features, extended, *args, steps=6))
+    proc = specforge(site, *train_args(features, extended, *args, "--resume", "latest", steps=10))
+    assert "done: 10 steps" in proc.stdout
+    assert losses(extended) == losses(full)
+    summary = json.loads((extended / "summary.json").read_text())
+    assert summary["steps"] == summary["total_steps"] == 10
+    state = json.loads((extended / "lin-step10" / "trainer_state.json").read_text())
+    assert state["contract"]["total_steps"] == 10  # the next extension starts from the new horizon
 
 
 def test_resume_against_a_different_target_is_refused(site, features, tmp_path):

@@ -25,10 +25,13 @@ _LAZY = {
     "ControlPlaneConformance": ".control_plane_suite",
     "TargetEngineConformance": ".target_engine_suite",
     "StrategyConformance": ".strategy_suite",
+    "ReferenceTarget": ".reference_target",
+    "run_specforge": ".cli",
+    "install_crash_hook": ".cli",
 }
 
-__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "StrategyConformance",
-           "TargetEngineConformance"]
+__all__ = ["ControlPlaneConformance", "FakeSite", "FeatureStoreConformance", "ReferenceTarget", "StrategyConformance",
+           "TargetEngineConformance", "install_crash_hook", "run_specforge"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,15 +1,19 @@
 """StrategyConformance: the contract every strategy plugin is tested against.
 
-Subclass it and override :meth:`make_strategy` (and optionally :meth:`make_target`)::
+Subclass it and override :meth:`make_strategy` (and optionally :meth:`make_engine`)::
 
     class TestMyStrategy(StrategyConformance):
         def make_strategy(self):
             return MyStrategy(MyOptions(), BuildContext())
 
-The suite builds a small random target (info + frozen parts), synthetic samples that match
-the strategy's capture plan, and checks the training contract: collate, forward_loss,
-gradients reach trainable parameters only, frozen parts are neither trained nor saved,
-ratio metrics pool exactly across batch sizes, and export round trips when supported.
+The suite builds a small random target (a :class:`~specforge_core.testing.reference_target.
+ReferenceTarget`: info, frozen parts, capture and verify sessions), synthetic samples that
+match the strategy's capture plan, and checks the training contract: collate, forward_loss,
+gradients reach trainable parameters only, frozen parts are neither trained nor saved, ratio
+metrics pool exactly across batch sizes, export round trips when supported, and — for a
+strategy with ``speculate`` — that speculative decoding reproduces the target's greedy decode
+token for token, untrained and after a short training on the target's own continuations (so
+accepted drafts are exercised too), stopping at the end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from ..contracts import StepContext, StepOutput, TrainBatch
 from ..protocols import DataStats, TargetInfo
+from .reference_target import ReferenceTarget
 
 
 class StrategyConformance:
@@ -35,25 +40,26 @@ class StrategyConformance:
     deterministic = True
     #: Sequence lengths of the synthetic samples.
     lengths = (12, 9, 16, 7)
+    #: Optimizer steps (and learning rate) of the short training before the second speculate check:
+    #: enough for some drafts to be accepted, so the accept path is checked, not only the rejections.
+    speculate_train_steps = 20
+    speculate_lr = 1e-2
+    #: Tokens generated per prompt by the speculate checks.
+    speculate_max_new_tokens = 24
 
     # ---------------------------------------------------------------- to override
     def make_strategy(self) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def make_engine(self, eos_token_id: int | None = 1) -> Any:
+        """The target the suite trains and decodes against: a small random Llama-shaped model
+        (8 layers, H = 32, V = 97, 4 heads / 2 kv), implementing the target engine protocol."""
+        return ReferenceTarget(eos_token_id=eos_token_id)
+
     def make_target(self) -> tuple[TargetInfo, dict[str, torch.Tensor]]:
-        """A small random Llama-shaped target: info and frozen parts."""
-        hidden, vocab, layers = 32, 97, 8
-        gen = torch.Generator().manual_seed(1234)
-        info = TargetInfo(num_layers=layers, hidden_size=hidden, vocab_size=vocab, dtype="float32",
-                          model_id="conformance-random",
-                          extra={"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
-                                 "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
-                                 "head_dim": 8, "mask_token_id": vocab - 1, "pad_token_id": 0,
-                                 "eos_token_id": 1, "bos_token_id": 2})
-        frozen = {"embed_tokens": torch.randn(vocab, hidden, generator=gen),
-                  "lm_head": torch.randn(vocab, hidden, generator=gen) / math.sqrt(hidden),
-                  "norm": torch.ones(hidden)}
-        return info, frozen
+        """:meth:`make_engine`'s info and frozen parts."""
+        engine = self.make_engine()
+        return engine.info(), engine.frozen_parts()
 
     # ---------------------------------------------------------------- helpers
     def samples(self, strategy: Any, target: TargetInfo) -> list[dict[str, torch.Tensor]]:
@@ -163,6 +169,85 @@ class StrategyConformance:
             assert split[name][1] == pytest.approx(den), name
             if den:
                 assert split[name][0] / split[name][1] == pytest.approx(num / den, rel=1e-4, abs=1e-5), name
+
+    # ---------------------------------------------------------------- speculative decoding
+    def prompts(self, engine: Any, count: int, seed: int) -> list[list[int]]:
+        """``count`` random prompts of 6 to 10 tokens (ids 3..V-2: no special or MASK token)."""
+        gen = torch.Generator().manual_seed(seed)
+        vocab = engine.info().vocab_size
+        return [torch.randint(3, vocab - 1, (int(torch.randint(6, 11, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(count)]
+
+    def check_speculation(self, strategy: Any, model: Any, engine: Any, prompts: list[list[int]],
+                          eos_token_id: int | None) -> list[int]:
+        """Speculate every prompt; assert it equals the target's greedy decode and accounts for its forwards.
+        Returns every verification's accept length."""
+        plan = strategy.capture_plan(engine.info())
+        accepted: list[int] = []
+        model.eval()
+        for prompt in prompts:
+            want = engine.greedy(prompt, self.speculate_max_new_tokens)
+            result = strategy.speculate(model, engine.session(torch.tensor(prompt), plan), prompt,
+                                        max_new_tokens=self.speculate_max_new_tokens, eos_token_id=eos_token_id)
+            got = list(result.tokens)
+            assert got == want, (f"speculate is not lossless on prompt {prompt}: it gave {got}, the target's greedy "
+                                 f"decode is {want}")
+            assert result.target_forwards == len(result.accept_lengths), "one accept length per target forward"
+            assert sum(result.accept_lengths) == len(got), "the accept lengths must add up to the tokens"
+            assert result.accept_lengths[0] == 1, "the prompt's prefill forward yields exactly the first token"
+            assert all(n >= 1 for n in result.accept_lengths), "every verification yields at least the bonus token"
+            accepted.extend(result.accept_lengths[1:])
+        return accepted
+
+    def test_speculate_reproduces_the_targets_greedy_decode(self):
+        strategy = self.make_strategy()
+        if not hasattr(strategy, "speculate"):
+            pytest.skip("the strategy does not decode")
+        engine = self.make_engine(eos_token_id=None)
+        info, frozen = engine.info(), engine.frozen_parts()
+        torch.manual_seed(0)
+        model = strategy.build_model(info, frozen, DataStats())
+        self.check_speculation(strategy, model, engine, self.prompts(engine, 3, seed=11), None)
+
+    def test_speculate_stays_lossless_when_drafts_are_accepted_and_stops_at_eos(self):
+        strategy = self.make_strategy()
+        if not hasattr(strategy, "speculate"):
+            pytest.skip("the strategy does not decode")
+        engine = self.make_engine(eos_token_id=None)
+        info = engine.info()
+        plan = strategy.capture_plan(info)
+        # Train on the target's own continuations of some prompts, then decode those prompts.
+        prompts = self.prompts(engine, 6, seed=21)
+        texts = [prompt + engine.greedy(prompt, 40) for prompt in prompts]
+        samples = []
+        for prompt, sample in zip(prompts, engine.capture([{"input_ids": torch.tensor(t)} for t in texts], plan)):
+            mask = torch.ones(sample["input_ids"].numel(), dtype=torch.long)
+            mask[: len(prompt)] = 0
+            samples.append({**{k: v for k, v in sample.items() if k in plan.features}, "loss_mask": mask})
+        missing = set(plan.features) - set(samples[0])
+        assert not missing, f"the target captured no {sorted(missing)} for the capture plan"
+        samples = [{k: v.to(getattr(torch, plan.features[k].dtype)) for k, v in s.items()} for s in samples]
+        torch.manual_seed(0)
+        model = strategy.build_model(info, engine.frozen_parts(), self.stats(samples, info))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.speculate_lr)
+        ids = [f"t{i}" for i in range(len(samples))]
+        model.train()
+        for step in range(self.speculate_train_steps):
+            loss = strategy.forward_loss(model, strategy.collate(samples, ids),
+                                         StepContext(global_step=step, total_steps=self.speculate_train_steps)).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        accepted = self.check_speculation(strategy, model, engine, prompts, None)
+        assert max(accepted) > 1, (
+            f"after {self.speculate_train_steps} training steps no draft token was accepted, so the accept path "
+            "went unchecked; raise speculate_train_steps or speculate_lr for this strategy")
+        # An end-of-sequence token inside the continuation: the decode stops right after it.
+        want = engine.greedy(prompts[0], self.speculate_max_new_tokens)
+        eos = want[len(want) // 2]
+        stopped = self.make_engine(eos_token_id=eos)
+        assert self.check_speculation(strategy, model, stopped, prompts[:1], eos) is not None
+        assert stopped.greedy(prompts[0], self.speculate_max_new_tokens)[-1] == eos
 
     def test_export_round_trip_gives_identical_outputs(self):
         """What is served is the trained draft rounded to the export dtype: the reloaded export computes

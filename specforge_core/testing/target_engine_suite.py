@@ -224,6 +224,18 @@ class TargetEngineConformance:
         for name in plan.features:
             self._assert_close(prefill[name], captured[name], self.session_atol, f"session vs capture {name}")
 
+    def test_a_session_keeps_its_prompts_outputs_as_prefill_and_an_empty_one_none(self, engine: Any) -> None:
+        info = engine.info()
+        plan = self.plan_for(info)
+        ids = self.samples_for(info, (20,))[0]["input_ids"]
+        opened = engine.session(ids, plan)
+        assert opened.length == 20 and tuple(opened.prefill["logits"].shape) == (20, info.vocab_size)
+        empty = engine.session(None, plan)
+        assert empty.length == 0 and empty.prefill is None
+        extended = empty.extend(ids)
+        for key in ("logits", "aux_hidden", "last_hidden"):
+            self._assert_close(extended[key], opened.prefill[key], self.session_atol, f"prefill {key}")
+
     def test_session_truncate_beyond_its_length_is_a_clear_error(self, engine: Any) -> None:
         info = engine.info()
         session = engine.session(self.samples_for(info, (16,))[0]["input_ids"], self.plan_for(info))

@@ -224,10 +224,26 @@ class CheckpointManager:
         return state
 
 
-def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Refuse a resume whose contract changed, naming the first field that differs."""
+#: The contract field a resume may change: the planned number of optimizer steps (``train.max_steps``, or
+#: ``train.epochs`` through the data size), so a finished run can be extended.
+HORIZON = "total_steps"
+
+
+def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path, *, completed: int = 0) -> None:
+    """Refuse a resume whose contract changed, naming the first field that differs.
+
+    The planned number of steps may change, to any number at least the ``completed`` steps
+    of the checkpoint: the learning-rate schedule (and any strategy schedule reading
+    ``StepContext.total_steps``) then runs to the new horizon from where it stands.
+    """
     for key in sorted(set(saved) | set(current)):
         old, new = saved.get(key), current.get(key)
+        if key == HORIZON and isinstance(new, int):
+            if new < completed:
+                raise CheckpointError(f"cannot resume from {path}: it has already trained {completed} optimizer steps, "
+                                      f"more than the {new} this run plans; raise train.max_steps (or train.epochs) "
+                                      f"to at least {completed}")
+            continue
         if isinstance(old, dict) and isinstance(new, dict):
             for sub in sorted(set(old) | set(new)):
                 if old.get(sub) != new.get(sub):

@@ -54,7 +54,7 @@ class Trainer:
     ``ack(sample_ids, global_step)`` is called once per optimizer update with that window's
     samples, after the update: the durable acknowledgement (then the loader releases them).
     ``contract`` is what a resume must match (strategy and options, world size, batch,
-    accumulation, total steps, target fingerprint).
+    accumulation, target fingerprint); its total steps may grow, which extends a run.
     """
 
     def __init__(self, *, strategy: Any, model: torch.nn.Module, loader: Any, train: TrainOptions, info: DistInfo,
@@ -96,7 +96,7 @@ class Trainer:
         """Restore weights, optimizer, scheduler, RNG and data position from a checkpoint."""
         path = self.checkpoints.resolve(which)
         saved = json.loads((path / "trainer_state.json").read_text())
-        check_contract(saved["contract"], self.contract, path)
+        check_contract(saved["contract"], self.contract, path, completed=saved["state"]["global_step"])
         saved = self.checkpoints.load(path, model=self.model, optimizer=self.optimizer)
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = TrainerState(**saved["state"])

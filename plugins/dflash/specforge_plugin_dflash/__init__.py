@@ -12,6 +12,7 @@ package without loading torch until they are used:
 * :mod:`specforge_plugin_dflash.blocks` — anchor sampling, block construction, the block
   attention mask;
 * :mod:`specforge_plugin_dflash.loss` — chunked weighted cross-entropy and block metrics;
+* :mod:`specforge_plugin_dflash.dpace` — D-PACE position weighting (``loss_type``);
 * :mod:`specforge_plugin_dflash.export` — the SGLang checkpoint layout;
 * :mod:`specforge_plugin_dflash.speculate` — the reference speculative decode.
 """
@@ -21,8 +22,12 @@ from __future__ import annotations
 import attrs
 
 from specforge_core import hookimpl
-from specforge_core.options import non_negative, option, positive
+from specforge_core.errors import OptionError
+from specforge_core.options import fraction, non_negative, option, positive
 from specforge_core.specs import StrategySpec
+
+#: ``loss_type`` values (see :mod:`specforge_plugin_dflash.dpace`); here, so listing the options imports no torch.
+LOSS_TYPES = ("dflash", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
 
 __version__ = "0.1.0"
 
@@ -66,8 +71,16 @@ class DFlashOptions:
         8, "Blocks sampled per training sample (uniformly among valid anchors; rows with fewer keep fewer). "
            "The recipes use 512 on multi-thousand-token samples; 8 suits short chats.", check=positive)
     loss_decay_gamma: float | None = option(
-        None, "Weight exp(-(k-1)/gamma) on block position k. null = no decay; the recipes use 7.",
-        check=positive)
+        None, "Weight exp(-(k-1)/gamma) on block position k (loss_type dflash only). null = no decay; the "
+              "recipes use 7.", check=positive)
+    loss_type: str = option(
+        "dflash", "How block positions are weighted. dflash: the decay above, L = Σw·CE/Σw. dpace (D-PACE, arXiv "
+                  "2605.18810): w = the expected accepted continuation from the position, from the draft's own "
+                  "confidence exp(-CE) (detached), L = Σw·CE/batch size; the two ablations keep one factor of it: "
+                  "dpace-cumulative-confidence-only, dpace-continuation-value-only.", choices=LOSS_TYPES)
+    dpace_alpha: float = option(
+        0.5, "D-PACE smoothing: a position's confidence is (1-alpha)·exp(-CE) + alpha (0: the raw probability, "
+             "1: every position counts fully).", check=fraction)
     mask_token_id: int | None = option(
         None, "Token id filling the drafted positions of a block. null = resolved in this order: the "
               "target's mask token (TargetInfo.extra['mask_token_id']); the first embedding row the "
@@ -84,18 +97,37 @@ class DFlashOptions:
                                    "weights in the optimizer).", choices=("float32", "bfloat16"))
     init_std: float = option(0.02, "Standard deviation of the initial draft weights.", check=positive)
 
+    def __attrs_post_init__(self) -> None:
+        if self.loss_type != "dflash" and self.loss_decay_gamma is not None:
+            raise OptionError(
+                f"option 'strategy.loss_decay_gamma' ({self.loss_decay_gamma}) weights positions for "
+                f"loss_type=dflash only, and loss_type={self.loss_type} computes its own weights: unset "
+                "strategy.loss_decay_gamma or set strategy.loss_type=dflash")
+
+
+DFLASH_SPEC = StrategySpec(
+    name="dflash",
+    factory="specforge_plugin_dflash.strategy:DFlashStrategy",
+    options=DFlashOptions,
+    description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
+    requires={"aux_hidden_states"},
+    export_formats=("sglang", "vllm", "speculators"),
+    best_metric="accept_len",
+    best_mode="max",
+)
+
+
+def variant_spec(name: str, factory: str, options: type, description: str, *,
+                 requires: frozenset[str] | set[str] = frozenset(),
+                 export_formats: tuple[str, ...] | None = None) -> StrategySpec:
+    """The spec of a strategy built on DFlash (Domino, DSpark): DFlash's engine requirements (plus
+    ``requires``) and best checkpoint metric (``accept_len``, the variant's own), with its name,
+    factory, options and description, and the serving formats it writes (default: DFlash's)."""
+    return attrs.evolve(DFLASH_SPEC, name=name, factory=factory, options=options, description=description,
+                        requires=DFLASH_SPEC.requires | set(requires),
+                        export_formats=DFLASH_SPEC.export_formats if export_formats is None else export_formats)
+
 
 @hookimpl
 def specforge_strategies():
-    return [
-        StrategySpec(
-            name="dflash",
-            factory="specforge_plugin_dflash.strategy:DFlashStrategy",
-            options=DFlashOptions,
-            description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
-            requires={"aux_hidden_states"},
-            export_formats=("sglang", "vllm", "speculators"),
-            best_metric="accept_len",
-            best_mode="max",
-        )
-    ]
+    return [DFLASH_SPEC]

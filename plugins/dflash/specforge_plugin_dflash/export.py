@@ -93,10 +93,11 @@ def write_export(model: torch.nn.Module, out_dir: str | os.PathLike[str], config
     return write_export_files(out_dir, export_state(model, config.get("torch_dtype")), config, error=error)
 
 
-def read_export(path: str | os.PathLike[str], strategy: str, *,
-                error: type[ExportError] = DFlashExportError) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_export(path: str | os.PathLike[str], strategy: str, *, error: type[ExportError] = DFlashExportError,
+                architecture: str = ARCHITECTURE) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(config, tensors)`` of an export directory written for ``strategy``, in either layout (a
-    speculators-layout config.json is read as its native equivalent, see :func:`from_speculators`).
+    speculators-layout config.json is read as its native equivalent, see :func:`from_speculators`);
+    ``architecture`` is the native layout's (a variant with its own class name passes it).
 
     Checks what every DFlash-layout export needs (``specforge_strategy``, the architecture,
     the fields :meth:`DFlashConfig.from_hf_config` reads) before the weights are loaded, so
@@ -105,7 +106,7 @@ def read_export(path: str | os.PathLike[str], strategy: str, *,
     config = open_export(path, what=f"a {strategy} draft", error=error)
     if speculators_type(config.data) is not None:
         config = from_speculators(config)
-    config.expect_identity(ARCHITECTURE, strategy)
+    config.expect_identity(architecture, strategy)
     check_fields(config)
     return dict(config.data), load_weights(path, error=error)
 
@@ -136,14 +137,15 @@ def load_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], sour
 
 def load_backbone(path: str | os.PathLike[str], strategy: str, frozen_parts: Mapping[str, torch.Tensor],
                   build: Callable[[DFlashConfig, Mapping[str, Any], torch.dtype], Draft], *,
-                  error: type[ExportError] = DFlashExportError) -> Draft:
+                  error: type[ExportError] = DFlashExportError, architecture: str = ARCHITECTURE) -> Draft:
     """A DFlash-layout export of ``strategy`` back as the model ``build(config, raw config.json, dtype)`` makes.
 
     The export is checked against the target's frozen embedding and lm_head before the
     model is built, so an export of another target fails naming both shapes. Subclass
-    plugins (Domino) pass their own ``build`` and ``error``.
+    plugins (Domino, DSpark) pass their own ``build`` and ``error``, and the ``architecture``
+    their config.json names when it is not ``DFlashDraftModel``.
     """
-    raw, tensors = read_export(path, strategy, error=error)
+    raw, tensors = read_export(path, strategy, error=error, architecture=architecture)
     source = Path(path) / CONFIG_FILE
     try:
         config = DFlashConfig.from_hf_config(raw)

@@ -12,66 +12,94 @@ exist at any moment, in forward and in backward.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+if TYPE_CHECKING:
+    from .dpace import LossWeighting
+
 #: ``logits_fn(start, end)`` -> float logits ``[B, end-start, bs, V]`` of blocks ``start:end``.
 LogitsFn = Callable[[int, int], torch.Tensor]
+#: ``chunk_fn(start, end)`` -> ``(sums, *per_block)``: tensors of blocks ``start:end`` (see :func:`reduce_chunks`).
+ChunkFn = Callable[[int, int], tuple[torch.Tensor, ...]]
+
+
+def reduce_chunks(chunk_fn: ChunkFn, num_blocks: int, chunk_blocks: int) -> tuple[torch.Tensor, ...]:
+    """Run ``chunk_fn`` over block ranges of ``chunk_blocks`` blocks; add up its first output, concatenate the rest.
+
+    ``chunk_fn(start, end)`` returns ``(sums, *per_block)``: ``sums`` (any shape) is summed over
+    the chunks, each ``per_block`` tensor ``[B, end-start, ...]`` is concatenated along dim 1.
+    Under autograd each chunk is checkpointed (recomputed in backward), so only one chunk's
+    logits exist at a time; ``chunk_fn`` must then be deterministic.
+    """
+    total: torch.Tensor | None = None
+    pieces: list[list[torch.Tensor]] = []
+    for start in range(0, num_blocks, chunk_blocks):
+        end = min(start + chunk_blocks, num_blocks)
+        if torch.is_grad_enabled():
+            part, *per_block = checkpoint(chunk_fn, start, end, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part, *per_block = chunk_fn(start, end)
+        total = part if total is None else total + part
+        pieces.append(per_block)
+    return (total, *(torch.cat(list(tensors), dim=1) for tensors in zip(*pieces)))
 
 
 def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: torch.Tensor,
-                          chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_blocks: int, *, weighting: LossWeighting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``Σ w·CE`` over ``labels``/``weights [B, N, bs]``, and the argmax predictions ``[B, N, bs]``.
 
     ``logits_fn`` is called on block ranges of ``chunk_blocks`` blocks; the result does not
     depend on the chunk size (up to float summation order). ``weights`` may also be
     ``[G, B, N, bs]``: then the result is ``[G]``, one weighted sum per row of weights, so
     several losses over the same logits (Domino's base and final heads) take one pass.
+    ``weighting`` (D-PACE, :mod:`.dpace`) reweights each chunk's positions from their own
+    cross-entropy; None or ``dflash`` uses ``weights`` as given.
     """
 
     def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_fn(start, end)  # [B, c, bs, V]
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        ce = F.cross_entropy(logits.flatten(0, 2), labels[:, start:end].flatten(), reduction="none")
-        return (ce * weights[..., start:end, :].flatten(-3)).sum(-1), logits.argmax(-1)
+        chunk_labels = labels[:, start:end]
+        ce = F.cross_entropy(logits.flatten(0, 2), chunk_labels.flatten(), reduction="none")
+        chunk_weights = weights[..., start:end, :]
+        if weighting is not None and weighting.dpace:
+            chunk_weights = weighting.reweight(ce.view(chunk_labels.shape), chunk_weights)
+        return (ce * chunk_weights.flatten(-3)).sum(-1), logits.argmax(-1)
 
-    total = weights.new_zeros(weights.shape[:-3])
-    predictions = []
-    for start in range(0, labels.shape[1], chunk_blocks):
-        end = min(start + chunk_blocks, labels.shape[1])
-        if torch.is_grad_enabled():
-            part, predicted = checkpoint(chunk, start, end, use_reentrant=False, preserve_rng_state=False)
-        else:
-            part, predicted = chunk(start, end)
-        total = total + part
-        predictions.append(predicted)
-    return total, torch.cat(predictions, dim=1)
+    zero = weights.new_zeros(weights.shape[:-3])
+    total, predictions = reduce_chunks(chunk, labels.shape[1], chunk_blocks)
+    return zero + total, predictions
 
 
-def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0) -> torch.Tensor:
+def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0, drafted: int | None = None) -> torch.Tensor:
     """``[B, N]``: 1 + the length of the all-correct prefix of the drafted positions of ``correct [B, N, bs]``.
 
     The bs-1 drafted positions are ``1..bs-1`` (``label_shift`` 0, DFlash), or ``0..bs-2`` with
     ``label_shift`` 1 (Domino's ``shift_label``: position k predicts ``anchor + k + 1``).
+    ``drafted`` overrides how many positions from the first are drafted (DSpark drafts all
+    ``bs`` positions ``0..bs-1``).
     """
     first = 1 - label_shift
-    drafted = correct[..., first: first + correct.shape[-1] - 1]
-    return 1 + drafted.long().cumprod(dim=-1).sum(dim=-1)
+    count = correct.shape[-1] - 1 if drafted is None else drafted
+    return 1 + correct[..., first: first + count].long().cumprod(dim=-1).sum(dim=-1)
 
 
 def block_metrics(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                  keep: torch.Tensor, *, prefix: str = "", label_shift: int = 0) -> dict[str, tuple[float, float]]:
+                  keep: torch.Tensor, *, prefix: str = "", label_shift: int = 0,
+                  drafted: int | None = None) -> dict[str, tuple[float, float]]:
     """Ratio metrics ``{prefix}acc`` and ``{prefix}accept_len`` as (numerator, denominator).
 
     A position counts as correct only where it is supervised (``label_mask``), so a block's
     accepted prefix stops at the end of the response; only kept blocks count. ``label_shift``
-    is the one the blocks were drawn with (see :func:`acceptance_lengths`).
+    is the one the blocks were drawn with, ``drafted`` how many positions a block drafts
+    (see :func:`acceptance_lengths`).
     """
     correct = (predictions == labels) & label_mask  # [B, N, bs]
-    accepted = acceptance_lengths(correct, label_shift=label_shift)[keep]
+    accepted = acceptance_lengths(correct, label_shift=label_shift, drafted=drafted)[keep]
     return {f"{prefix}acc": (float(correct.sum()), float(label_mask.sum())),
             f"{prefix}accept_len": (float(accepted.sum()), float(accepted.numel()))}
 

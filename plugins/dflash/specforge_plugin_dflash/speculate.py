@@ -21,11 +21,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from specforge_core.protocols import SpeculationResult
-from specforge_core.speculative import prompt_outputs, stop_token_ids
+from specforge_core.speculative import accept_drafts, prompt_outputs, stop_token_ids
 
 from .model import DFlashBackbone
 
-#: ``draft(model, ctx [1, C, H], anchor_token, position)`` -> the bs-1 drafted token ids ``[bs-1]``.
+#: ``draft(model, ctx [1, C, H], anchor_token, position)`` -> the drafted token ids ``[n]`` (bs-1 for DFlash's own;
+#: any n >= 0: the loop verifies what it is given).
 DraftFn = Callable[[DFlashBackbone, torch.Tensor, int, int], torch.Tensor]
 
 
@@ -72,17 +73,11 @@ def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, 
         position = session.length  # where the last accepted token goes; the cache holds everything before it
         drafts = draft(model, ctx, tokens[-1], position).cpu()  # [bs-1]
         out = session.extend(torch.cat([torch.tensor([tokens[-1]]), drafts]))
-        target_next = out["logits"].argmax(-1).cpu()  # [bs]: the target's token after each block position
-        matches = (drafts == target_next[:-1]).long().cumprod(0)
-        accepted = int(matches.sum())
+        target_next = out["logits"].argmax(-1).cpu()  # the target's token after each verified position
+        accepted, new = accept_drafts(drafts.tolist(), target_next.tolist(), stop=stop,
+                                      budget=max_new_tokens - len(tokens))
         session.truncate(position + accepted + 1)  # keep the anchor and the accepted drafts
         ctx = torch.cat([ctx, model.context(out[feature][: accepted + 1].to(device)[None])], dim=1)
-        new = drafts[:accepted].tolist() + [int(target_next[accepted])]
-        for i, token in enumerate(new):
-            if token in stop:
-                new = new[: i + 1]
-                break
-        new = new[: max_new_tokens - len(tokens)]
         tokens.extend(new)
         accept_lengths.append(len(new))
     return SpeculationResult(tokens=tokens, target_forwards=len(accept_lengths), accept_lengths=accept_lengths)

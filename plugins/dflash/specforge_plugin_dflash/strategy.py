@@ -5,8 +5,8 @@ forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
     blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
     mask    = block_attention_mask(anchors, lengths)              [B, N*bs, S + N*bs]
     hidden  = model(target_hidden, block ids, positions, mask)    [B, N*bs, H]
-    Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)
-    loss    = Σw·CE / Σw
+    Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)   w: decay, or D-PACE's (loss_type)
+    loss    = Σw·CE / Σw                                               D-PACE: Σw·CE / batch size
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from . import DFlashOptions
 from .blocks import Blocks, block_attention_mask, draw_blocks
 from .config import DFlashConfig
 from .export import export_dflash, load_dflash
-from .loss import block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
+from .dpace import LossWeighting
+from .loss import block_metrics, chunked_cross_entropy, no_anchor_samples
 from .model import DFlashBackbone
 from .speculate import DraftFn, draft_block, speculative_decode
 
@@ -38,14 +39,15 @@ FEATURES = ("input_ids", "loss_mask", HIDDEN_FEATURE)
 
 
 def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str], *,
-                     strategy: str = "dflash") -> TrainBatch:
+                     strategy: str = "dflash", features: Sequence[str] = FEATURES) -> TrainBatch:
     """Right-pad ``input_ids``, ``loss_mask`` (with 0) and ``target_hidden`` (with zeros) to the longest sample.
 
     The batch also carries ``lengths [B]``, the unpadded lengths. A sample that lacks one of
     the features, or whose features disagree on its length, is refused naming it
-    (``strategy`` names the capture plan in that message).
+    (``strategy`` names the capture plan in that message). A variant that captures more
+    (DSpark's ``last_hidden``) passes its own ``features``; floating ones are padded with zeros.
     """
-    tensors, lengths = pad_features(samples, sample_ids, FEATURES, strategy=strategy,
+    tensors, lengths = pad_features(samples, sample_ids, features, strategy=strategy,
                                     dtypes={"input_ids": torch.long, "loss_mask": torch.long})
     lengths = torch.tensor(lengths)
     return TrainBatch(tensors={**tensors, "lengths": lengths}, sample_ids=sample_ids, num_tokens=int(lengths.sum()))
@@ -58,7 +60,7 @@ class DFlashStrategy:
     #: How :meth:`speculate` drafts a block; a variant with its own drafting (Domino) swaps in its DraftFn.
     draft_fn: DraftFn = staticmethod(draft_block)
     #: The network :meth:`build_model` creates; a variant with extra heads (Domino) swaps in its subclass
-    #: and adds that subclass's arguments in :meth:`model_kwargs`.
+    #: and describes the heads in :meth:`head_config` (or adds other arguments in :meth:`model_kwargs`).
     model_class: type[DFlashBackbone] = DFlashBackbone
     #: Write / read back the SGLang export (:meth:`export`, :meth:`load_export`); a variant swaps in its own.
     export_fn: Callable[..., Any] = staticmethod(export_dflash)
@@ -81,10 +83,17 @@ class DFlashStrategy:
             HIDDEN_FEATURE: FeatureSpec((-1, len(layer_ids) * target.hidden_size), target.dtype),
         })
 
+    def head_config(self, target: TargetInfo) -> Any:
+        """The extra heads of a variant's :attr:`model_class`, passed to it as ``head=`` (None: DFlash has none)."""
+        return None
+
     def model_kwargs(self, target: TargetInfo) -> dict[str, Any]:
-        """Keyword arguments of :attr:`model_class` besides the config and the frozen parts."""
-        return {"attention": self.options.attention, "dtype": torch_dtype(self.options.dtype),
-                "init_std": self.options.init_std}
+        """Keyword arguments of :attr:`model_class` besides the config and the frozen parts (``head`` when
+        :meth:`head_config` gives one)."""
+        kwargs = {"attention": self.options.attention, "dtype": torch_dtype(self.options.dtype),
+                  "init_std": self.options.init_std}
+        head = self.head_config(target)
+        return kwargs if head is None else {**kwargs, "head": head}
 
     def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DFlashBackbone:
         return self.model_class(self.draft_config(target), frozen_parts["embed_tokens"], frozen_parts["lm_head"],
@@ -110,14 +119,22 @@ class DFlashStrategy:
         hidden = model(batch[HIDDEN_FEATURE], blocks.ids.flatten(1), blocks.positions.flatten(1), mask)
         return hidden.view(batch_size, num_blocks, bs, -1)
 
+    @property
+    def loss_weighting(self) -> LossWeighting:
+        """How positions are weighted and the loss normalised (the ``loss_type`` and ``dpace_alpha`` options)."""
+        return LossWeighting.from_options(self.options)
+
     def forward_loss(self, model: DFlashBackbone, batch: TrainBatch, ctx: StepContext) -> StepOutput:
-        """``L = Σw·CE / Σw`` over the batch's blocks, with ``loss``, ``acc``, ``accept_len`` and
-        ``no_anchor_samples`` as ratio metrics."""
+        """``L = Σw·CE / Σw`` (D-PACE: ``/ batch size``) over the batch's blocks, with ``loss``, ``acc``,
+        ``accept_len`` and ``no_anchor_samples`` as ratio metrics."""
         blocks = self.draw_blocks(model, batch, ctx)
         hidden = self.block_hidden(model, batch, blocks)
+        weighting = self.loss_weighting
+        weights = weighting.position_weights(blocks.weights, blocks.label_mask)
         weighted_ce, predictions = chunked_cross_entropy(lambda start, end: model.logits(hidden[:, start:end]),
-                                                         blocks.labels, blocks.weights, self.options.logit_chunk_size)
-        loss, weight = weighted_mean(weighted_ce, blocks.weights)
+                                                         blocks.labels, weights, self.options.logit_chunk_size,
+                                                         weighting=weighting)
+        loss, weight = weighting.normalize(weighted_ce, weights, batch_size=blocks.anchors.shape[0])
         ratios = {"loss": (float(weighted_ce.detach()), weight),
                   **block_metrics(predictions, blocks.labels, blocks.label_mask, blocks.keep),
                   **no_anchor_samples(blocks.num_valid)}
@@ -142,6 +159,10 @@ class DFlashStrategy:
         """The draft back from an export (:attr:`load_fn`), over the target's frozen ``embed_tokens`` and ``lm_head``."""
         return self.load_fn(path, frozen_parts, attention=self.options.attention)
 
+    def drafter(self) -> DraftFn:
+        """The drafting step :meth:`speculate` runs: :attr:`draft_fn`, or one bound to decode-time options."""
+        return self.draft_fn
+
     def speculate(self, model: DFlashBackbone, session: Any, prompt_ids: Any, *, max_new_tokens: int,
                   eos_token_id: int | Sequence[int] | None = None) -> SpeculationResult:
         """Greedy block speculative decoding against ``session``; token-identical to the target's greedy decode."""
@@ -149,6 +170,6 @@ class DFlashStrategy:
         model.eval()
         try:
             return speculative_decode(model, session, prompt_ids, feature=HIDDEN_FEATURE,
-                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, draft=self.draft_fn)
+                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, draft=self.drafter())
         finally:
             model.train(was_training)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import attrs
 
-import specforge_plugin_dflash as dflash_plugin
 from specforge_core import hookimpl
 from specforge_core.options import non_negative, option, positive
-from specforge_plugin_dflash import DFlashOptions
+from specforge_plugin_dflash import DFlashOptions, variant_spec
 
 __version__ = "0.1.0"
 
@@ -51,12 +50,7 @@ class DominoOptions(DFlashOptions):
 
 @hookimpl
 def specforge_strategies():
-    # DFlash's spec with Domino's name, factory, options and description: the same engine
-    # requirements (the target's hidden states) and the same best checkpoint metric (accept_len,
-    # here the corrected head's).
-    dflash = next(spec for spec in dflash_plugin.specforge_strategies() if spec.name == "dflash")
     # Only SGLang with Domino support serves it (vLLM has no Domino runtime).
-    return [attrs.evolve(dflash, name="domino", factory="specforge_plugin_domino.strategy:DominoStrategy",
-                         options=DominoOptions, export_formats=("sglang",),
-                         description="Domino: DFlash block drafting plus a GRU over the drafted prefix that "
-                                     "corrects the logits.")]
+    return [variant_spec("domino", "specforge_plugin_domino.strategy:DominoStrategy", DominoOptions,
+                         "Domino: DFlash block drafting plus a GRU over the drafted prefix that corrects the logits.",
+                         export_formats=("sglang",))]

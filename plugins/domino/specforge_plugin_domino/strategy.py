@@ -6,26 +6,24 @@ forward_loss, top to bottom (ALGORITHMS.md, "Domino")::
     hidden  = block_hidden(blocks)                               [B, N, bs, H]   DFlash's backbone
     states  = model.block_states(blocks.tokens)                  [B, N, bs, g]   teacher-forced GRU
     base    = lm_head(hidden);  final = base + correction        per chunk of blocks, one pass
-    base_ce, final_ce = Σw·CE(base), Σw·CE(final)
+    base_ce, final_ce = Σw·CE(base), Σw·CE(final)             w: DFlash's decay, or D-PACE's per head (loss_type)
     λ       = base_loss_weight(global_step, total_steps)
-    loss    = ((1 − λ)·final_ce + λ·base_ce) / Σw
+    loss    = ((1 − λ)·final_ce + λ·base_ce) / Σw              D-PACE: / batch size
 
 Capture plan, collate, anchors, the backbone pass, building the model, the loss's
 normalisation and ``no_anchor_samples``, ``tau_sim``, export / load and the speculate loop are
 DFlash's (inherited); Domino swaps in its network (:attr:`DominoStrategy.model_class`, with the
-head from :meth:`DominoStrategy.model_kwargs`), its export functions and its drafting step
+head from :meth:`DominoStrategy.head_config`), its export functions and its drafting step
 (:attr:`DominoStrategy.draft_fn`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
 from specforge_core.protocols import TargetInfo
-from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
+from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy, no_anchor_samples
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 from .config import DominoHeadConfig
@@ -46,12 +44,9 @@ class DominoStrategy(DFlashStrategy):
 
     # ------------------------------------------------------------------ model
     def head_config(self, target: TargetInfo) -> DominoHeadConfig:
-        """The correction head's widths and label alignment for ``target`` under the options."""
+        """The correction head's widths and label alignment for ``target`` under the options (checked against
+        the block size), passed to :class:`DominoBackbone` as ``head=``."""
         return DominoHeadConfig.from_options(self.options, target.hidden_size)
-
-    def model_kwargs(self, target: TargetInfo) -> dict[str, Any]:
-        """DFlash's, plus the correction head (:meth:`head_config`, already checked against the block size)."""
-        return {**super().model_kwargs(target), "head": self.head_config(target)}
 
     # ------------------------------------------------------------------ training
     def base_loss_weight(self, ctx: StepContext) -> float:
@@ -74,14 +69,18 @@ class DominoStrategy(DFlashStrategy):
             return torch.cat([base, model.final_logits(base, hidden[:, start:end], states[:, start:end])], dim=2)
 
         # Row 0 of the weights selects the base half of each block, row 1 the final half: one
-        # pass over the logits gives both weighted sums.
-        zeros = torch.zeros_like(blocks.weights)
-        weights = torch.stack([torch.cat([blocks.weights, zeros], -1), torch.cat([zeros, blocks.weights], -1)])
+        # pass over the logits gives both weighted sums. (D-PACE reweights each row over its
+        # non-zero half only: the other half has weight 0, so it neither scales nor extends it.)
+        weighting = self.loss_weighting
+        position_weights = weighting.position_weights(blocks.weights, blocks.label_mask)
+        zeros = torch.zeros_like(position_weights)
+        weights = torch.stack([torch.cat([position_weights, zeros], -1), torch.cat([zeros, position_weights], -1)])
         sums, predictions = chunked_cross_entropy(both_heads, blocks.labels.repeat(1, 1, 2), weights,
-                                                  self.options.logit_chunk_size)
+                                                  self.options.logit_chunk_size, weighting=weighting)
         base_ce, final_ce = sums
         lam = self.base_loss_weight(ctx)
-        loss, weight = weighted_mean((1.0 - lam) * final_ce + lam * base_ce, blocks.weights)
+        loss, weight = weighting.normalize((1.0 - lam) * final_ce + lam * base_ce, position_weights,
+                                           batch_size=blocks.anchors.shape[0])
         metrics = dict(label_mask=blocks.label_mask, keep=blocks.keep, label_shift=head.label_shift)
         ratios = {"final_loss": (float(final_ce.detach()), weight),
                   "base_loss": (float(base_ce.detach()), weight),

@@ -1,30 +1,16 @@
 """``specforge run/capture/eval --strategy domino`` through the public CLI, on the tiny toy target.
 
-The resume test installs a crash-hook plugin (it kills the process after a given optimizer
-step, like a lost node) into the core's ``fake_site``; everything else is the installed
-distributions.
+The resume test installs the plugin kit's crash-hook plugin (it kills the process after a
+given optimizer step, like a lost node) into the core's ``fake_site``; everything else is the
+installed distributions.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SPECFORGE = str(Path(sys.executable).parent / "specforge")
-CRASH_HOOK = '''
-import os
+from specforge_core.testing.cli import CRASH_AT, CRASH_STATUS, install_crash_hook, run_specforge
 
-from specforge_core import hookimpl
-
-
-@hookimpl
-def specforge_step_end(global_step, metrics):
-    if os.environ.get("SF_DOMINO_CRASH_AT") == str(global_step):
-        os._exit(17)  # a hard crash: no cleanup, no final checkpoint
-'''
 #: A small draft and a short run: block 4, 4 anchors, 8 optimizer steps (λ reaches 0 at floor(8 * 0.5) = 4).
 SMALL = ("--set", "strategy.block_size=4", "--set", "strategy.num_anchors=4", "--set", "strategy.emb_dim=32",
          "--set", "train.batch_size=2", "--set", "train.lr=0.003")
@@ -33,12 +19,7 @@ STEPS = 8
 
 def specforge(*args, site=None, env_extra=None, expect=0):
     """Run the installed ``specforge`` (seeing ``site``'s fake distributions too, when given)."""
-    settings = {"SPECFORGE_STRICT_PLUGINS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    env = site.env(**settings) if site is not None else {**os.environ, **settings}
-    proc = subprocess.run([SPECFORGE, *args], capture_output=True, text=True, env=env, timeout=300)
-    if expect is not None:
-        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
+    return run_specforge(*args, site=site, env_extra=env_extra, expect=expect, timeout=300)
 
 
 def online_run(tiny, out, *extra):
@@ -71,12 +52,11 @@ def test_a_run_logs_lambda_decaying_to_zero_at_half_the_steps(full_run):
 
 
 def test_a_resumed_run_continues_the_lambda_schedule_exactly_where_it_stopped(fake_site, tiny, full_run, tmp_path):
-    fake_site.add("specforge-plugin-crashhook", "0.0.1", entry_points={"crashhook": "sf_domino_crash_hook"},
-                  modules={"sf_domino_crash_hook": CRASH_HOOK})
+    install_crash_hook(fake_site)
     broken = tmp_path / "broken"
     args = online_run(tiny, broken, "--set", "train.export=false")
-    crashed = specforge(*args, site=fake_site, env_extra={"SF_DOMINO_CRASH_AT": "3"}, expect=None)
-    assert crashed.returncode == 17
+    crashed = specforge(*args, site=fake_site, env_extra={CRASH_AT: 3}, expect=None)
+    assert crashed.returncode == CRASH_STATUS
     assert [step for step, _lam, _loss in trained(broken)] == [1, 2, 3]  # checkpoint at 2, step 3 lost
     specforge(*args, "--resume", "latest", site=fake_site)
     assert trained(broken) == trained(full_run)  # λ and the loss, step for step

@@ -64,6 +64,34 @@ def test_loss_is_one_minus_lambda_final_plus_lambda_base(make_draft, shift_label
     assert ratios["no_anchor_samples"] == (0.0, float(SAMPLES))
 
 
+@pytest.mark.parametrize("loss_type", ["dpace", "dpace-continuation-value-only"])
+@pytest.mark.parametrize("shift_label", [True, False])
+def test_dpace_weights_each_head_by_its_own_confidence_over_the_batch_size(make_draft, loss_type, shift_label):
+    strategy, model = make_draft(shift_label=shift_label, num_anchors=4, logit_chunk_size=3, loss_type=loss_type,
+                                 dpace_alpha=0.4)
+    batch = batch_for(strategy)
+    ctx = StepContext(global_step=1, total_steps=8)  # λ = 0.75
+    with torch.no_grad():
+        out = strategy.forward_loss(model, batch, ctx)
+        head = model.head_config
+        blocks = strategy.draw_blocks(model, batch, ctx, label_shift=head.label_shift)
+        hidden = strategy.block_hidden(model, batch, blocks)
+        base = model.logits(hidden)
+        final = model.final_logits(base, hidden, model.block_states(blocks.tokens))
+        sums = {}
+        for name, logits in (("base", base), ("final", final)):
+            ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view(
+                blocks.labels.shape)
+            valid = blocks.label_mask
+            prefix = torch.cumprod(torch.where(valid, 0.6 * torch.exp(-ce) + 0.4, torch.ones_like(ce)), -1)
+            value = (prefix * valid).flip(-1).cumsum(-1).flip(-1)
+            weights = value if loss_type == "dpace" else value / prefix
+            sums[name] = float((ce * valid * weights).sum())
+    assert float(out.loss) == pytest.approx((0.25 * sums["final"] + 0.75 * sums["base"]) / SAMPLES, rel=1e-5)
+    assert out.ratio_metrics["final_loss"] == pytest.approx((sums["final"], SAMPLES), rel=1e-5)
+    assert out.ratio_metrics["base_loss"] == pytest.approx((sums["base"], SAMPLES), rel=1e-5)
+
+
 def test_the_loss_does_not_depend_on_the_logit_chunk_size(make_draft):
     outputs = []
     for chunk in (1, 2, 16):

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from specforge_core.protocols import SpeculationResult, VerifySession
-from specforge_core.speculative import prompt_outputs, stop_token_ids
+from specforge_core.speculative import accept_drafts, prompt_outputs, stop_token_ids
 
 from .model import DraftKV, Eagle3Draft
 
@@ -48,17 +48,10 @@ def speculate(model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, ma
         base = session.length
         out = session.extend(torch.tensor([bonus] + drafts, dtype=torch.long))
         greedy = out["logits"].argmax(-1).tolist()  # greedy[i]: the target's token after position base + i
-        accepted = 0
-        while accepted < k and drafts[accepted] == greedy[accepted]:
-            accepted += 1
+        accepted, new = accept_drafts(drafts, greedy, stop=eos)
         if accepted < k:
             session.truncate(base + 1 + accepted)  # keep the bonus and the accepted drafts
-        new = drafts[:accepted] + [greedy[accepted]]
-        ctx_aux, ctx_next = out[hidden_feature][: accepted + 1], new
-        for i, token in enumerate(new):
-            if token in eos:
-                new = new[: i + 1]
-                break
+        ctx_aux, ctx_next = out[hidden_feature][: accepted + 1], drafts[:accepted] + [greedy[accepted]]
         tokens.extend(new)
         accept_lengths.append(len(new))
         bonus = new[-1]

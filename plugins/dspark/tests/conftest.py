@@ -1,0 +1,24 @@
+"""Fixtures of the dspark plugin's tests: DFlash's test kit (one thread, the random and the tiny toy target) and
+small DSpark drafts."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from specforge_plugin_dflash.testing import engine, one_torch_thread, small_draft, tiny  # noqa: E402,F401
+from specforge_plugin_dflash.testing import random_target_fixture as random_target  # noqa: E402,F401
+from specforge_plugin_dspark import DSparkOptions  # noqa: E402
+from specforge_plugin_dspark.strategy import DSparkStrategy  # noqa: E402
+
+
+def _make_draft(info=None, frozen=None, *, perturb=True, **options):
+    return small_draft(DSparkStrategy, DSparkOptions, info, frozen, perturb=perturb, **{"markov_rank": 16, **options})
+
+
+@pytest.fixture
+def make_draft():
+    """``make_draft(info=None, frozen=None, *, perturb=True, **options) -> (strategy, model)``: a small DSpark draft (block 4, 2 layers, 3 target layers, r=16)
+    over ``random_target()`` unless a target is given."""
+    return _make_draft
