@@ -18,6 +18,9 @@ from .errors import CapabilityError, OptionError, PluginError, SpecforgeError, U
 from .plugins import get_plugin_manager
 from .specs import SPEC_KINDS
 
+#: What `specforge options` describes: the core's own sections, then one per component kind.
+OPTION_SECTIONS = ("train", "data", "regenerate", *sorted(SPEC_KINDS))
+
 _USAGE_ERRORS = (OptionError, UnknownComponentError, CapabilityError, PluginError)
 
 
@@ -74,25 +77,65 @@ def plugins(as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("kind", type=click.Choice(sorted(SPEC_KINDS)))
-@click.argument("name")
-def options(kind: str, name: str) -> None:
-    """Describe the options of one component (`specforge options strategy eagle3`).
+@click.argument("section", required=False, type=click.Choice(OPTION_SECTIONS))
+@click.argument("name", required=False)
+def options(section: str | None, name: str | None) -> None:
+    """Describe the options of a section, with defaults and docs.
 
-    Set them in a config file section or with `--set KIND.OPTION=VALUE` on `specforge run`.
+    \b
+      specforge options                    the sections and the components of each
+      specforge options train              the training loop (train.*)
+      specforge options data               the data (data.*)
+      specforge options strategy           the installed strategies
+      specforge options strategy eagle3    one component's options (strategy.*)
+
+    Set them in a config file section or with `--set SECTION.OPTION=VALUE` on `specforge run`
+    or `specforge capture`.
     """
+    from .config import PLAIN_SECTIONS
     from .options import describe_options
 
+    manager = get_plugin_manager()
+    if section is None:
+        for plain, cls in PLAIN_SECTIONS.items():
+            click.echo(f"{plain:<14} {_first_line(cls)}  (specforge options {plain})")
+        for kind in sorted(SPEC_KINDS):
+            names = ", ".join(sorted(manager.specs(kind))) or "(none installed)"
+            click.echo(f"{kind:<14} {names}  (specforge options {kind} NAME)")
+        return
+    if section in PLAIN_SECTIONS:
+        if name is not None:
+            _fail(OptionError(f"section '{section}' has no components; run `specforge options {section}`"))
+        cls = PLAIN_SECTIONS[section]
+        click.echo(f"{section}: {_first_line(cls)}")
+        _echo_option_rows(section, describe_options(cls))
+        return
+    if name is None:
+        try:
+            specs = manager.specs(section)
+        except SpecforgeError as exc:
+            _fail(exc)
+        for spec_name, spec in sorted(specs.items()):
+            click.echo(f"{spec_name:<12} {spec.description}")
+        click.echo(f"(`specforge options {section} NAME` describes one)")
+        return
     try:
-        spec = get_plugin_manager().get(kind, name)
+        spec = manager.get(section, name)
     except SpecforgeError as exc:
         _fail(exc)
     click.echo(f"{spec.origin()}: {spec.description}")
-    rows = describe_options(spec.options)
+    _echo_option_rows(section, describe_options(spec.options))
+
+
+def _first_line(cls: type) -> str:
+    return (cls.__doc__ or "").strip().splitlines()[0].replace("``", "`")
+
+
+def _echo_option_rows(section: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
         click.echo("  (no options)")
     for row in rows:
-        click.echo(f"  {kind}.{row['name']} ({row['type']}, default {row['default']!r})")
+        click.echo(f"  {section}.{row['name']} ({row['type']}, default {row['default']!r})")
         if row["doc"]:
             click.echo(f"      {row['doc']}")
 
@@ -103,15 +146,49 @@ def _component_option(kind: str) -> Any:
                         help=f"The {kind.replace('_', ' ')} plugin to use (see `specforge plugins`).")
 
 
+def _data_flags(command: Any) -> Any:
+    """``--target-model``, ``--data`` and ``--eval-data``: one spelling on every command that takes them."""
+    command = click.option("--eval-data", default=None, type=click.Path(dir_okay=False, exists=True),
+                           help="Held-out conversations (JSONL) for evaluation (data.eval_path). Default: a "
+                                "share of --data held out (data.eval_holdout).")(command)
+    command = click.option("--data", default=None, type=click.Path(dir_okay=False, exists=True),
+                           help="Training conversations, JSONL (data.path). Default: the toy target's data.")(command)
+    return click.option("--target-model", default=None, metavar="PATH",
+                        help="Target model folder (target_engine.model). Default: the toy target.")(command)
+
+
+def _config_options(command: Any) -> Any:
+    command = click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
+                           help="Override one option, e.g. --set train.lr=1e-4 --set strategy.ttt_length=5 "
+                                "(repeatable; `specforge options` lists them).")(command)
+    return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                        help="YAML configuration; flags and --set override it.")(command)
+
+
+def _raw_config(config_path: str | None, assignments: tuple[str, ...],
+                flags: dict[tuple[str, str], Any], top: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The raw configuration of a command: the config file, then its flags, then ``--set`` (last wins)."""
+    from .config import apply_sets, load_config_file, set_option
+
+    raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
+    for (section, key), value in flags.items():
+        if value is not None:
+            set_option(raw, section, key, value)
+    raw.update({key: value for key, value in (top or {}).items() if value is not None})
+    return apply_sets(raw, assignments)
+
+
+def _data_values(target_model: str | None, data: str | None, eval_data: str | None) -> dict[tuple[str, str], Any]:
+    return {("target_engine", "model"): target_model, ("data", "path"): data, ("data", "eval_path"): eval_data}
+
+
 @cli.command()
 @_component_option("strategy")
 @_component_option("target_engine")
 @_component_option("feature_store")
 @_component_option("control_plane")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="YAML run configuration; flags and --set override it.")
-@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one option, e.g. --set train.lr=1e-4 --set strategy.ttt_length=5 (repeatable).")
+@_data_flags
+@_config_options
 @click.option("--output", default=None, type=click.Path(file_okay=False), help="Run output directory.")
 @click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
 @click.option("--features", default=None, type=click.Path(file_okay=False),
@@ -124,40 +201,34 @@ def _component_option(kind: str) -> Any:
               help="Continue from a checkpoint of this run (weights, optimizer, schedule, RNG, data position).")
 @click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
 def run(strategy: str | None, target_engine: str | None, feature_store: str | None, control_plane: str | None,
+        target_model: str | None, data: str | None, eval_data: str | None,
         config_path: str | None, assignments: tuple[str, ...], output: str | None, run_id: str | None,
         features: str | None, role: str | None, resume: str | None, dry_run: bool) -> None:
     """Train a draft model.
 
     Components are resolved from installed plugins; every option is validated before
-    anything heavy is built. Example:
+    anything heavy is built. Examples:
 
+    \b
         specforge run --strategy eagle3 --set train.max_steps=200 --output out/
+        specforge run --strategy dflash --target-model models/my-llm --data chats.jsonl --output out/
 
     Disaggregated: one process captures while another trains, sharing a directory
     (SQLite metadata and a ref channel in DIR/control, features in DIR/store; every sample
     is trained exactly once across crashes and restarts of either side):
 
+    \b
         specforge run --role producer --strategy eagle3 --features DIR --output prod/
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
     """
-    from .config import apply_sets, load_config_file, resolve_plan, set_option
+    from .config import resolve_plan
 
     try:
-        raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
-        flags = {"strategy": strategy, "target_engine": target_engine, "feature_store": feature_store,
-                 "control_plane": control_plane}
-        for kind, name in flags.items():
-            if name:
-                set_option(raw, kind, "name", name)
-        if output:
-            raw["output"] = output
-        if run_id:
-            raw["run_id"] = run_id
-        if features:
-            raw["features"] = features
-        if role:
-            raw["role"] = role
-        raw = apply_sets(raw, assignments)
+        flags = {(kind, "name"): name for kind, name in (("strategy", strategy), ("target_engine", target_engine),
+                                                         ("feature_store", feature_store),
+                                                         ("control_plane", control_plane))}
+        raw = _raw_config(config_path, assignments, {**flags, **_data_values(target_model, data, eval_data)},
+                          {"output": output, "run_id": run_id, "features": features, "role": role})
         plan = resolve_plan(get_plugin_manager(), raw)
     except SpecforgeError as exc:
         _fail(exc)
@@ -192,17 +263,10 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
 @cli.command()
 @_component_option("strategy")
 @_component_option("target_engine")
-@click.option("--target-model", default=None, metavar="PATH",
-              help="Target model folder (or hub id with network). Default: the toy target.")
-@click.option("--data", default=None, type=click.Path(dir_okay=False, exists=True),
-              help="Training conversations (JSONL). Default: the toy target's bundled data.")
-@click.option("--eval-data", default=None, type=click.Path(dir_okay=False, exists=True),
-              help="Held-out conversations (JSONL), stored as the eval split.")
+@_data_flags
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Features directory to write.")
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per target forward.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, help="YAML configuration.")
-@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override an option, e.g. --set data.max_length=1024 --set strategy.ttt_length=5.")
+@_config_options
 def capture(strategy: str | None, target_engine: str | None, target_model: str | None, data: str | None,
             eval_data: str | None, output: str, batch_size: int, config_path: str | None,
             assignments: tuple[str, ...]) -> None:
@@ -213,17 +277,13 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     unpadded minimum.
     """
     from .capture import run_capture
-    from .config import apply_sets, load_config_file, resolve_plan, set_option
+    from .config import resolve_plan
 
     try:
-        raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
-        raw["output"] = output
-        raw = apply_sets(raw, assignments)
-        for section, key, value in (("strategy", "name", strategy), ("target_engine", "name", target_engine),
-                                    ("target_engine", "model", target_model), ("data", "path", data),
-                                    ("data", "eval_path", eval_data)):
-            if value:
-                set_option(raw, section, key, value)
+        raw = _raw_config(config_path, assignments, {("strategy", "name"): strategy,
+                                                     ("target_engine", "name"): target_engine,
+                                                     **_data_values(target_model, data, eval_data)},
+                          {"output": output})
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:
@@ -262,7 +322,7 @@ def export_command(source: str, fmt: str, output: str) -> None:
               help="An exported draft directory (`specforge export` or OUTPUT/export of a run).")
 @click.option("--target-model", default=None, metavar="PATH", help="Target model folder. Default: the toy target.")
 @click.option("--target-engine", default="hf", show_default=True, metavar="NAME", help="Target engine plugin.")
-@click.option("--prompts", default=None, type=click.Path(exists=True, dir_okay=False),
+@click.option("--data", "--prompts", "prompts", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL conversations; each is cut at its last user turn. Default: the toy target's eval split.")
 @click.option("--num-prompts", default=32, show_default=True, help="How many prompts to decode.")
 @click.option("--max-new-tokens", default=64, show_default=True, help="Tokens generated per prompt.")
@@ -280,7 +340,10 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
     from .protocols import BuildContext
     from .speculative import measure_acceptance, prompts_from_jsonl
 
+    from .threads import apply_threads
+
     try:
+        apply_threads(None)
         manager = get_plugin_manager()
         spec = manager.get("target_engine", target_engine)
         values = {"model": target_model} if target_model else {}
@@ -289,7 +352,7 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
         if prompts is None:
             default = getattr(engine, "default_data", lambda: None)()
             if default is None:
-                raise OptionError("no prompts: pass --prompts FILE (only the toy target ships held-out prompts)")
+                raise OptionError("no prompts: pass --data FILE (only the toy target ships held-out prompts)")
             prompts = str(default[1])
         prompt_ids = prompts_from_jsonl(prompts, engine.tokenizer, limit=num_prompts)
         if not prompt_ids:

@@ -172,7 +172,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
     assert plan.features is not None
     context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
     name = plan["strategy"].spec.name
-    samples, eval_samples, report = prepared_samples(plan, engine)
+    samples, eval_samples, report, _files = prepared_samples(plan, engine)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
     suggest = getattr(engine, "suggested_train_options", None)

@@ -48,6 +48,7 @@ class OfflineSource:
             raise SpecforgeError(f"{plan.features} holds no training samples")
         self.fingerprint = self.features.fingerprint
         self.ack = None
+        self.eval_note = stored_eval_note(plan.features, self.eval_refs)
 
     def frozen_parts(self) -> dict[str, Any]:
         return self.features.frozen_parts()
@@ -67,11 +68,32 @@ class OfflineSource:
             return None
         return lambda: eval_loader(self.store, self.eval_refs, collate, batch_size, rank, world_size)
 
+    def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
+        return stored_token_rows(self.store, self.eval_refs, limit)
+
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Nothing to start: the loader seeks by itself on resume."""
 
     def close(self) -> None:
         self.store.close()
+
+
+def stored_eval_note(features: str, eval_refs: list[Any]) -> str:
+    """What a features directory's eval split is, for logs and ``summary.json``."""
+    if eval_refs:
+        return f"eval split: the {len(eval_refs)} eval samples of {features}"
+    return (f"no eval split: {features} holds no eval samples (capture with --eval-data FILE, or keep "
+            "data.eval_holdout above 0)")
+
+
+def stored_token_rows(store: Any, refs: list[Any], limit: int) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, loss_mask)`` of the first ``limit`` of ``refs`` as lists."""
+    rows = []
+    for ref in refs[:limit]:
+        tensors = store.get(ref, ["input_ids", "loss_mask"])
+        rows.append((tensors["input_ids"].tolist(), tensors["loss_mask"].tolist()))
+    return rows
 
 
 def stream_loader(store: Any, channel: Any, collate: Callable, batch_size: int) -> FeatureDataLoader:
@@ -92,20 +114,34 @@ def capture_batch_size(plan: RunPlan) -> int:
     return int(getattr(plan["target_engine"].options, "capture_batch_size", 8))
 
 
-def prepared_samples(plan: RunPlan, engine: Any) -> tuple[list[Any], list[Any], Any]:
-    """(train samples, eval samples, the train file's preparation report) for a capturing run."""
-    from .capture import data_paths
-    from .data.prepare import prepare_file
+def prepared_samples(plan: RunPlan, engine: Any, *, echo: bool = True) -> tuple[list[Any], list[Any], Any, Any]:
+    """(train samples, eval samples, the train rows' preparation report, the
+    :class:`~specforge_core.data.split.DataFiles`) for a capturing run.
 
-    train_path, eval_path = data_paths(plan, engine)
+    The eval samples are the eval file's, or the training file's held-out rows (see
+    :mod:`specforge_core.data.split`). With ``echo``, says on stderr what was read.
+    """
+    import sys
+
+    from .data.prepare import PrepareReport, prepare_file
+    from .data.split import resolve_data_files
+
+    files = resolve_data_files(plan, engine)
     options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
-    samples, report = prepare_file(train_path, engine.tokenizer, **options)
+    samples, report = prepare_file(files.train_path, engine.tokenizer, keep_line=files.is_train_line, **options)
     if plan.data.max_samples:
         samples = samples[: plan.data.max_samples]
     if not samples:
-        raise SpecforgeError(f"{train_path} gave no usable training sample: {report.summary()}")
-    eval_samples = prepare_file(eval_path, engine.tokenizer, **options)[0] if eval_path else []
-    return samples, eval_samples, report
+        raise SpecforgeError(f"{files.train_path} gave no usable training sample: {report.summary()}")
+    eval_samples, eval_report = [], PrepareReport()
+    if files.eval_path is not None:
+        eval_samples, eval_report = prepare_file(files.eval_path, engine.tokenizer, keep_line=files.is_eval_line,
+                                                 **options)
+    if echo:
+        print(f"train data {files.train_path}: {report.summary()}", file=sys.stderr)
+        print(files.eval_note + (f"; {eval_report.summary()}" if files.eval_path else ""), file=sys.stderr,
+              flush=True)
+    return samples, eval_samples, report, files
 
 
 def stream_sample_id(sample: Any, epoch: int) -> str:
@@ -147,7 +183,9 @@ class OnlineSource:
         self.capture_plan = strategy.capture_plan(self.target)
         self._frozen = self.engine.frozen_parts()
         self.fingerprint = frozen_fingerprint(self._frozen)
-        self.samples, self.eval_samples, self.report = prepared_samples(plan, self.engine)
+        self.samples, self.eval_samples, self.report, files = prepared_samples(plan, self.engine,
+                                                                              echo=context.rank == 0)
+        self.eval_note = files.eval_note
         self.store = build("feature_store")
         self.control = build("control_plane")
         self.window = threading.BoundedSemaphore(window)
@@ -169,6 +207,10 @@ class OnlineSource:
 
     def samples_per_rank(self, world_size: int) -> int:
         return len(self.samples) // world_size
+
+    def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
+        return [(s.input_ids, s.loss_mask) for s in self.eval_samples[:limit]]
 
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
         self._seed, self._rank, self._world = seed, rank, world_size
@@ -294,6 +336,7 @@ class StreamSource:
             if self.store is None:
                 self.store = self.features.open_store(context, consume_once=True)
             self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
+            self.eval_note = stored_eval_note(plan.features, self.eval_refs)
         except BaseException:
             self.close()
             raise
@@ -315,6 +358,10 @@ class StreamSource:
 
     def samples_per_rank(self, world_size: int) -> int:
         return self.record["train_samples"] // world_size
+
+    def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
+        return stored_token_rows(self.eval_store, self.eval_refs, limit)
 
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
         self.loader = stream_loader(self.store, self.control.channel, collate, batch_size)

@@ -95,5 +95,7 @@ def specforge_strategies():
             requires={"aux_hidden_states"},
             best_metric="accept_len",
             best_mode="max",
+            # SpecForge's DFlash recipes (e.g. Qwen2.5-0.5B and Qwen3-8B online: lr 6e-4, warmup_ratio 0.04).
+            suggested_train={"lr": 6e-4, "warmup_ratio": 0.04},
         )
     ]

@@ -26,5 +26,7 @@ def specforge_strategies():
             requires={"aux_hidden_states", "last_hidden"},
             best_metric="tau_sim",
             best_mode="max",
+            # SpecForge's EAGLE3 recipes (lr 1e-4; warmup_ratio 0.015, its schema default).
+            suggested_train={"lr": 1e-4, "warmup_ratio": 0.015},
         )
     ]
