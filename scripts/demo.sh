@@ -12,8 +12,8 @@ OUT="${1:-runs/demo}"
 "$VENV/bin/python" - "$OUT/summary.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(f"tau_sim {s['tau_sim']:.3f} ({s['tau_sim_convention']})")
-print(f"tau_real {s['tau_real']:.3f} ({s['real_eval']['convention']}); "
+print(f"accept_len_sim {s['accept_len_sim']:.3f} (simulated on the eval split; {s['accept_len_convention']})")
+print(f"accept_len_real {s['accept_len_real']:.3f} (measured by speculative decoding); "
       f"identical to target greedy: {s['real_eval']['identical_to_target_greedy']}")
 print(f"draft exported to {s['export']}")
 PY

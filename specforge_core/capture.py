@@ -87,21 +87,6 @@ def _store_bytes(path: Any) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
 
 
-def data_paths(plan: Any, engine: Any) -> tuple[str, str | None]:
-    """Training and eval JSONL: the user's, or the engine's bundled default (toy target)."""
-    from .errors import OptionError
-
-    train, evaluation = plan.data.path, plan.data.eval_path
-    if train is None:
-        default = getattr(engine, "default_data", lambda: None)()
-        if default is None:
-            raise OptionError("no training data: pass --data FILE (JSONL conversations); only the toy target "
-                              "ships bundled data")
-        train, default_eval = default
-        evaluation = evaluation or default_eval
-    return train, evaluation
-
-
 def capture_components(plan: Any, *, role: str) -> tuple[Any, Any, Any, Any, CapturePlan]:
     """(build context, strategy, target engine, target info, capture plan) of a capturing command."""
     from .protocols import BuildContext
@@ -119,25 +104,29 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     from tqdm import tqdm
 
     from .data.prepare import PrepareReport, iter_samples
+    from .data.split import resolve_data_files
     from .features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
     from .options import options_to_dict
+    from .threads import apply_threads
 
+    apply_threads(plan.train.threads)
     context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
+    files = resolve_data_files(plan, engine)
     name = plan["strategy"].spec.name
     root, store = create_feature_set(plan.output, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
                                      target=target, frozen_parts=engine.frozen_parts(), context=context)
     existing = {ref.sample_id: ref for ref in store.scan()}
-    train_path, eval_path = data_paths(plan, engine)
     counts: dict[str, int] = {}
     by_split: dict[str, list[SampleRef]] = {}
     reports: dict[str, Any] = {}
     tokens = minimum = 0
-    for split, path in (("train", train_path), ("eval", eval_path)):
+    for split, path, keep in (("train", files.train_path, files.is_train_line),
+                              ("eval", files.eval_path, files.is_eval_line)):
         if path is None:
             continue
         report = PrepareReport()
-        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length,
+        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length, keep_line=keep,
                                last_turn_only=plan.data.last_turn_only, strict=plan.data.strict, report=report)
         if split == "train" and plan.data.max_samples:
             samples = (s for i, s in zip(range(plan.data.max_samples), samples))
@@ -160,6 +149,7 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
         "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,
         "bytes_per_token": stored / tokens if tokens else 0.0,
         "ratio_to_unpadded_minimum": stored / minimum if minimum else 0.0, "data": reports,
+        "eval_split": files.eval_note,
     }
     finish_feature_set(root, counts, {"capture": {k: v for k, v in result.items() if k != "output"}})
     store.close()

@@ -254,10 +254,26 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     except SpecforgeError as exc:
         _fail(exc)
     if int(os.environ.get("RANK", "0")) == 0:
-        best = summary["best"]
-        click.echo(f"done: {summary['steps']} steps, {summary['tokens_per_s']:.0f} tokens/s; "
-                   f"best {best['metric']}={best['value']} at step {best['step']}; summary in "
-                   f"{os.path.join(plan.output, 'summary.json')}")
+        click.echo(_run_result_line(summary, os.path.join(plan.output, "summary.json")))
+
+
+def _figure(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _run_result_line(summary: dict[str, Any], summary_path: str) -> str:
+    """The last line of a run: steps, supervised tokens/s, acceptance sim vs real, the best checkpoint."""
+    parts = [f"done: {summary['steps']} steps, {summary['tokens_per_s']:.0f} supervised tokens/s"]
+    if summary.get("final_eval"):
+        parts.append(f"accept_len_sim {_figure(summary.get('accept_len_sim'))}, accept_len_real "
+                     f"{_figure(summary.get('accept_len_real'))} (bonus token included)")
+    else:
+        parts.append(f"nothing evaluated ({summary.get('eval_split') or 'no eval split'})")
+    best = summary["best"]
+    if best.get("checkpoint"):
+        parts.append(f"best checkpoint {best['checkpoint']} ({best['metric']} {_figure(best['value'])} at step "
+                     f"{best['step']})")
+    return "; ".join(parts) + f"; summary in {summary_path}"
 
 
 @cli.command()
@@ -288,6 +304,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:
         _fail(exc)
+    click.echo(result["eval_split"])
     for split, report in result["data"].items():
         click.echo(f"{split}: {result['samples'][split]} samples ({report['new']} new, {report['reused']} reused); "
                    f"{report['summary']}")

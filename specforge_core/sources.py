@@ -139,8 +139,8 @@ def prepared_samples(plan: RunPlan, engine: Any, *, echo: bool = True) -> tuple[
                                                  **options)
     if echo:
         print(f"train data {files.train_path}: {report.summary()}", file=sys.stderr)
-        print(files.eval_note + (f"; {eval_report.summary()}" if files.eval_path else ""), file=sys.stderr,
-              flush=True)
+        if files.eval_path is not None:
+            print(f"eval data {files.eval_path}: {eval_report.summary()}", file=sys.stderr, flush=True)
     return samples, eval_samples, report, files
 
 

@@ -54,11 +54,13 @@ def test_online_run_exports_and_reports_simulated_and_real_acceptance(strategy, 
     specforge(*run_args(strategy, tiny, out))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["topology"] == "online-colocated"
-    assert summary["tau_sim"] is not None and summary["tau_sim"] >= 0
-    assert summary["tau_real"] >= 1.0
+    assert summary["accept_len_sim"] >= 1.0 and summary["accept_len_real"] >= 1.0
+    assert summary["tau_real"] == summary["accept_len_real"]  # the former name, kept one release
+    assert summary["final_eval"]["eval/accept_len_sim"] == summary["accept_len_sim"]
+    assert 0.0 <= summary["final_eval"]["eval/accept_rate_1"] <= 1.0
     assert summary["real_eval"]["identical_to_target_greedy"] is True
     assert "bonus token included" in summary["real_eval"]["convention"]
-    assert "bonus token excluded" in summary["tau_sim_convention"]
+    assert "bonus token included" in summary["accept_len_convention"]
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["specforge_strategy"] == strategy
     # export again from the run directory, then measure the export with `specforge eval`
@@ -68,7 +70,7 @@ def test_online_run_exports_and_reports_simulated_and_real_acceptance(strategy, 
     result = json.loads(specforge("eval", "--draft", str(again), "--target-model", str(tiny), "--num-prompts", "4",
                                   "--max-new-tokens", "16", "--json").stdout)
     assert result["identical_to_target_greedy"] is True and result["prompts"] == 4
-    assert result["tau_real"] == pytest.approx(summary["tau_real"])
+    assert result["accept_len_real"] == pytest.approx(summary["accept_len_real"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -35,7 +35,8 @@ class TrainerState:
     global_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    tokens: int = 0
+    tokens: int = 0  # every token of the trained samples (prompts included)
+    supervised_tokens: int = 0  # the target tokens trained on (loss_mask == 1)
     best_value: float | None = None
     best_step: int | None = None
 
@@ -112,7 +113,7 @@ class Trainer:
         self.model.train()
         progress = self._progress()
         started = time.perf_counter()
-        tokens_at_start = state.tokens
+        tokens_at_start = state.supervised_tokens, state.tokens
         window = _Window()
         done = state.global_step >= self.total_steps
         while not done:
@@ -147,7 +148,8 @@ class Trainer:
                 break
         if progress is not None:
             progress.close()
-        return self._finish(time.perf_counter() - started, state.tokens - tokens_at_start)
+        return self._finish(time.perf_counter() - started, state.supervised_tokens - tokens_at_start[0],
+                            state.tokens - tokens_at_start[1])
 
     def _optimizer_step(self, window: _Window, progress: Any) -> None:
         state, train = self.state, self.train
@@ -164,6 +166,7 @@ class Trainer:
             self.ack(window.sample_ids, state.global_step)
         record = self._reduce(window, float(grad_norm), lr)
         state.tokens += int(record.pop("_tokens"))
+        state.supervised_tokens += int(record.pop("_supervised"))
         self.last_train = record
         if state.global_step % train.log_every == 0 or state.global_step == self.total_steps:
             self.metrics.write(record)
@@ -189,6 +192,7 @@ class Trainer:
         pool = window.pool
         # Per-rank totals are pooled as (x, 1): the pooled value is their mean over ranks.
         pool.add({"_loss": (window.loss_sum, window.micro_steps), "_tokens": (window.tokens, 1.0),
+                  "_supervised": (window.supervised, 1.0),
                   "_wait_s": (window.wait_s, 1.0), "_elapsed_s": (time.perf_counter() - window.start, 1.0)})
         pool.add({name: (num, den) for name, (num, den) in window.plain.items()})
         if self._names is None:
@@ -199,10 +203,13 @@ class Trainer:
         values.setdefault("loss", values["_loss"])
         values.pop("_loss")
         total_tokens = values.pop("_tokens") * self.info.world_size
+        supervised = values.pop("_supervised") * self.info.world_size
         wait, elapsed = values.pop("_wait_s"), max(values.pop("_elapsed_s"), 1e-9)
+        # tokens_per_s counts the supervised target tokens trained on, all ranks together;
+        # sequence_tokens_per_s every token of the samples (prompts included).
         record = {"step": self.state.global_step, "epoch": self.state.epoch, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": total_tokens / elapsed, "data_wait_fraction": wait / elapsed,
-                  "_tokens": total_tokens}
+                  "tokens_per_s": supervised / elapsed, "sequence_tokens_per_s": total_tokens / elapsed,
+                  "data_wait_fraction": wait / elapsed, "_tokens": total_tokens, "_supervised": supervised}
         record.update(values)
         record.update(derived_metrics(self.strategy, values))
         return record
@@ -242,7 +249,7 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.state.global_step, desc=f"train {self.run_id}",
                     unit="step", dynamic_ncols=True, mininterval=0.5)
 
-    def _finish(self, elapsed: float, tokens: int) -> dict[str, Any]:
+    def _finish(self, elapsed: float, supervised: int, tokens: int) -> dict[str, Any]:
         state = self.state
         summary = {
             "run_id": self.run_id,
@@ -250,7 +257,9 @@ class Trainer:
             "total_steps": self.total_steps,
             "epochs_completed": state.epoch,
             "tokens": state.tokens,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "supervised_tokens": state.supervised_tokens,
+            "tokens_per_s": supervised / elapsed if elapsed > 0 else 0.0,
+            "sequence_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed,
             "final": {k: v for k, v in self.last_train.items()},
             "final_eval": dict(self.last_eval),
@@ -280,6 +289,7 @@ class _Window:
         self.micro_steps = 0
         self.loss_sum = 0.0
         self.tokens = 0
+        self.supervised = 0
         self.wait_s = 0.0
         self.start = time.perf_counter()
         self.sample_ids: list[str] = []
@@ -290,6 +300,8 @@ class _Window:
         self.micro_steps += 1
         self.loss_sum += float(out.loss.detach())
         self.tokens += int(batch.num_tokens)
+        mask = batch.tensors.get("loss_mask")
+        self.supervised += int(mask.sum()) if mask is not None else int(batch.num_tokens)
         self.sample_ids.extend(batch.sample_ids)
         self.pool.add(out.ratio_metrics)
         for name, value in out.metrics.items():

@@ -68,13 +68,16 @@ class DFlashOptions:
         None, "Weight exp(-(k-1)/gamma) on block position k. null = no decay; the recipes use 7.",
         check=positive)
     mask_token_id: int | None = option(
-        None, "Token id filling the drafted positions of a block. null = resolved in this order: the "
-              "target's mask token (TargetInfo.extra['mask_token_id']); the first embedding row the "
-              "tokenizer never produces (extra['tokenizer_size'] when it is below the vocab size, what the "
-              "published Qwen3 drafts use); the pad token; the unk token; vocab_size - 1.", check=non_negative)
+        None, "Token id filling the drafted positions of a block; never EOS, pad or another special token. "
+              "null = the tokenizer's mask token; else the first embedding row the tokenizer never produces "
+              "(what the published Qwen3 drafts use); else the highest id that is not a special token, refused "
+              "if the training data supervises it.", check=non_negative)
     logit_chunk_size: int = option(
         16, "Blocks per logits chunk in the loss, so the [blocks*block_size, vocab] logits never exist at "
             "once (each chunk is recomputed in backward).", check=positive)
+    eval_anchor_chunk: int = option(
+        32, "Evaluation drafts a block at every valid anchor to replay decoding (accept_len_sim); this many "
+            "anchors per sample go through the draft at once.", check=positive)
     seed: int = option(0, "Seed of anchor sampling; anchors depend on (seed, global step, sample id) only, so "
                           "a resumed run draws the same anchors.")
     attention: str = option("sdpa", "Attention kernel (both take the explicit block mask).",
@@ -93,7 +96,7 @@ def specforge_strategies():
             options=DFlashOptions,
             description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
             requires={"aux_hidden_states"},
-            best_metric="accept_len",
+            best_metric="accept_len_sim",
             best_mode="max",
             # SpecForge's DFlash recipes (e.g. Qwen2.5-0.5B and Qwen3-8B online: lr 6e-4, warmup_ratio 0.04).
             suggested_train={"lr": 6e-4, "warmup_ratio": 0.04},

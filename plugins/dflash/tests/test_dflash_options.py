@@ -1,14 +1,15 @@
 """Options, defaults (target layers, mask token, draft size) and the registered spec."""
 
 import pytest
+import torch
 
 from specforge_core.errors import OptionError
 from specforge_core.options import build_options
 from specforge_core.protocols import TargetInfo
 
 from specforge_plugin_dflash import DFlashOptions
-from specforge_plugin_dflash.config import (DFlashConfig, DFlashConfigError, default_target_layer_ids,
-                                            resolve_mask_token_id)
+from specforge_plugin_dflash.config import (DFlashConfig, DFlashConfigError, check_mask_token,
+                                            default_target_layer_ids, resolve_mask_token_id)
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 
@@ -79,9 +80,24 @@ def test_mask_token_resolution_order():
     assert resolve_mask_token_id(7, 100, {"mask_token_id": 3}) == 7
     assert resolve_mask_token_id(None, 100, {"mask_token_id": 3, "tokenizer_size": 90, "pad_token_id": 0}) == 3
     assert resolve_mask_token_id(None, 100, {"tokenizer_size": 90, "pad_token_id": 0}) == 90  # unused row
-    assert resolve_mask_token_id(None, 100, {"tokenizer_size": 100, "pad_token_id": 0, "unk_token_id": 1}) == 0
-    assert resolve_mask_token_id(None, 100, {"unk_token_id": 1}) == 1
+    assert resolve_mask_token_id(None, 100, {"tokenizer_size": 100, "pad_token_id": 0, "unk_token_id": 1}) == 99
     assert resolve_mask_token_id(None, 100, {}) == 99
+
+
+def test_a_tokenizer_without_a_free_token_never_gets_its_eos_pad_or_specials_as_mask():
+    # SmolLM2's tokenizer: every embedding row is a token, no mask token, pad is EOS (<|im_end|>)
+    smol = {"tokenizer_size": 100, "eos_token_id": 2, "pad_token_id": 2, "bos_token_id": 1, "unk_token_id": 0,
+            "special_token_ids": [0, 1, 2, 97, 98, 99]}
+    mask = resolve_mask_token_id(None, 100, smol)
+    assert mask == 96 and mask not in {0, 1, 2, 97, 98, 99}
+    check_mask_token(mask, torch.zeros(100, dtype=torch.long), smol)  # the data never supervises it: accepted
+    counts = torch.zeros(100, dtype=torch.long)
+    counts[96] = 3
+    with pytest.raises(DFlashConfigError, match="mask token 96 occurs 3 times among the training data's supervised "
+                                                "tokens; set strategy.mask_token_id"):
+        check_mask_token(mask, counts, smol)
+    with pytest.raises(DFlashConfigError, match="mask token 2 is the target's EOS token"):
+        check_mask_token(2, None, smol)
     with pytest.raises(DFlashConfigError, match="option 'strategy.mask_token_id' is 100, not a token id"):
         resolve_mask_token_id(100, 100, {})
 
@@ -90,6 +106,6 @@ def test_the_strategy_is_registered_with_its_requirements(plugin_manager):
     spec = plugin_manager.get("strategy", "dflash")
     assert spec.provenance.distribution == "specforge-plugin-dflash"
     assert spec.requires == {"aux_hidden_states"}
-    assert (spec.best_metric, spec.best_mode) == ("accept_len", "max")
+    assert (spec.best_metric, spec.best_mode) == ("accept_len_sim", "max")
     assert spec.options is DFlashOptions
     assert isinstance(spec.load_factory()(DFlashOptions(), None), DFlashStrategy)

@@ -24,7 +24,7 @@ def specforge_strategies():
             description="EAGLE3: one decoder layer over three fused target layers, trained with a "
                         "test-time-training unroll; exports SGLang's LlamaForCausalLMEagle3.",
             requires={"aux_hidden_states", "last_hidden"},
-            best_metric="tau_sim",
+            best_metric="accept_len_sim",
             best_mode="max",
             # SpecForge's EAGLE3 recipes (lr 1e-4; warmup_ratio 0.015, its schema default).
             suggested_train={"lr": 1e-4, "warmup_ratio": 0.015},

@@ -105,6 +105,8 @@ class HFTargetEngine:
             "bos_token_id": self._tokenizer.bos_token_id,
             "eos_token_id": self._tokenizer.eos_token_id,
             "pad_token_id": self._tokenizer.pad_token_id,
+            "unk_token_id": self._tokenizer.unk_token_id,
+            "special_token_ids": sorted(int(i) for i in self._tokenizer.all_special_ids),
             "device": str(self.device),
             "attn_implementation": self._model.config._attn_implementation,
             "model_path": str(self.model_path) if self.model_path is not None else None,
