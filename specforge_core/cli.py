@@ -312,6 +312,63 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
                f"{result['ratio_to_unpadded_minimum']:.3f}x the unpadded minimum; features in {result['output']}")
 
 
+@cli.command()
+@_component_option("target_engine")
+@click.option("--target-model", default=None, metavar="PATH",
+              help="Target model folder (target_engine.model). Default: the toy target.")
+@click.option("--data", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="Conversations to regenerate (JSONL: messages, ShareGPT conversations, or prompt/response).")
+@click.option("--output", required=True, type=click.Path(dir_okay=False),
+              help="JSONL file to write (must not exist; OUTPUT.partial holds a run in progress).")
+@click.option("--max-new-tokens", default=None, type=int, help="Most tokens per reply (regenerate.max_new_tokens).")
+@click.option("--temperature", default=None, type=float,
+              help="0 (default): greedy, the target's own most likely reply; above 0: sampled.")
+@click.option("--batch-size", default=None, type=int, help="Conversations generated together (regenerate.batch_size).")
+@_config_options
+def regenerate(target_engine: str | None, target_model: str | None, data: str, output: str,
+               max_new_tokens: int | None, temperature: float | None, batch_size: int | None,
+               config_path: str | None, assignments: tuple[str, ...]) -> None:
+    """Rewrite the assistant turns of a conversation file with the target's own replies.
+
+    Drafts are judged by how well they predict the target; trained on replies the target
+    would not give, they accept less than published figures. Each assistant turn is
+    replaced by the target's reply to the conversation so far, and a conversation ending on
+    a user turn gets one. Batched and KV-cached; resumable (run the same command again
+    after an interruption); written in the input's format. Example:
+
+    \b
+        specforge regenerate --target-model models/my-llm --data chats.jsonl --output chats.regen.jsonl
+        specforge run --strategy eagle3 --target-model models/my-llm --data chats.regen.jsonl --output out/
+    """
+    from .config import RegenerateOptions, TrainOptions
+    from .options import build_options
+    from .protocols import BuildContext
+    from .regenerate import run_regenerate
+    from .threads import apply_threads
+
+    try:
+        raw = _raw_config(config_path, assignments, {
+            ("target_engine", "name"): target_engine, ("target_engine", "model"): target_model,
+            ("regenerate", "max_new_tokens"): max_new_tokens, ("regenerate", "temperature"): temperature,
+            ("regenerate", "batch_size"): batch_size})
+        unknown = sorted(set(raw) - {"target_engine", "regenerate", "train"})
+        if unknown:
+            raise OptionError(f"regenerate reads the sections target_engine, regenerate and train (threads); "
+                              f"got '{unknown[0]}'")
+        engine_raw = dict(raw.get("target_engine") or {})
+        spec = get_plugin_manager().get("target_engine", str(engine_raw.pop("name", None) or "hf"))
+        options = build_options(RegenerateOptions, raw.get("regenerate"), section="regenerate")
+        apply_threads(build_options(TrainOptions, raw.get("train"), section="train").threads)
+        engine = spec.load_factory()(spec.build_options(engine_raw), BuildContext(role="regenerate"))
+        if not hasattr(engine, "generate"):
+            raise OptionError(f"{spec.origin()} cannot generate text; regenerate with --target-engine hf")
+        report = run_regenerate(engine, data, output, options)
+    except SpecforgeError as exc:
+        _fail(exc)
+    click.echo(report.summary())
+    click.echo(f"regenerated conversations in {output}")
+
+
 @cli.command(name="export")
 @click.argument("source", type=click.Path(exists=True, file_okay=False), metavar="RUN_OR_CHECKPOINT")
 @click.option("--format", "fmt", default="sglang", show_default=True, type=click.Choice(["sglang"]),

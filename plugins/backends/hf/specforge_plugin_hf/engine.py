@@ -311,6 +311,51 @@ class HFTargetEngine:
             f"{', '.join(_FINAL_NORM_NAMES)} on its base model); this architecture is not supported by the hf engine"
         )
 
+    # -- generation -------------------------------------------------------------------------
+
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end a reply: the tokenizer's EOS and the generation config's (often several)."""
+        from specforge_core.speculative import stop_token_ids
+
+        ids = set(stop_token_ids(self._tokenizer.eos_token_id))
+        generation = getattr(self._model, "generation_config", None)
+        ids |= stop_token_ids(getattr(generation, "eos_token_id", None))
+        return sorted(ids)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> list[list[int]]:
+        """Continue each prompt (token ids) in one batched, KV-cached decode; the new tokens of each.
+
+        Greedy when ``temperature`` is 0, else sampled (seed torch's RNG first for repeatable
+        output). A reply ends after its first stop token (:meth:`stop_token_ids`, kept in the
+        result) or at ``max_new_tokens``. Prompts are left-padded; position ids follow the
+        attention mask, so a padded prompt continues as it would alone.
+        """
+        from transformers import GenerationConfig
+
+        if not prompts:
+            return []
+        rows = [self._input_ids(prompt, f"prompt {index}") for index, prompt in enumerate(prompts)]
+        stops = self.stop_token_ids()
+        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else (stops or [0])[0]
+        width = max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):] = row
+            mask[i, width - len(row):] = 1
+        sampling = temperature > 0
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampling,
+                                  temperature=temperature if sampling else None, top_p=top_p if sampling else None,
+                                  top_k=None, eos_token_id=stops or None, pad_token_id=pad_id)
+        out = self._model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        replies = []
+        for row in out[:, width:].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
+            replies.append(row[:end])
+        return replies
+
     # -- verification -----------------------------------------------------------------------
 
     def session(self, prompt_ids: Any, plan: CapturePlan) -> HFVerifySession:
