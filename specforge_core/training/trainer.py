@@ -219,6 +219,8 @@ class Trainer:
         values = self.evaluator.run(self.model, global_step=state.global_step, total_steps=self.total_steps)
         self.last_eval = {f"eval/{k}": v for k, v in values.items()}
         self.metrics.write({"step": state.global_step, **self.last_eval})
+        if self.info.is_main and self.hooks is not None:
+            self.hooks.specforge_eval_end(run_id=self.run_id, global_step=state.global_step, metrics=dict(values))
         value = values.get(self.best_metric, float("nan"))
         if _is_better(value, state.best_value, self.best_mode):
             state.best_value, state.best_step = value, state.global_step

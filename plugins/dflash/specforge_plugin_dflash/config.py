@@ -89,21 +89,21 @@ def resolve_mask_token_id(explicit: int | None, vocab_size: int, extra: Mapping[
     return candidate
 
 
-def check_mask_token(mask_token_id: int, token_counts: Any, extra: Mapping[str, Any]) -> None:
-    """Refuse a mask token that is EOS, pad or a special token, or that the training data supervises.
+def mask_token_for_data(mask_token_id: int, token_counts: Any, extra: Mapping[str, Any]) -> int:
+    """``mask_token_id``, or, when the training data supervises it, the highest id that is neither a
+    special token nor in the data (``token_counts [V]``: supervised counts; None: not known).
 
-    ``token_counts`` is the data's supervised token counts ``[V]`` (None: not known). A mask
-    token the draft must also predict, or one that ends or pads sequences, confuses the
-    draft's "fill this position" input with a real token.
+    A mask token the draft must also predict confuses its "fill this position" input with a
+    real token. The tokenizer's own mask token and an unused embedding row never collide.
     """
-    named = {extra.get("pad_token_id"): "pad", extra.get("eos_token_id"): "EOS"}  # EOS named when both
-    if mask_token_id in named and extra.get("mask_token_id") != mask_token_id:
-        raise DFlashConfigError(f"mask token {mask_token_id} is the target's {named[mask_token_id]} token; set "
-                                "strategy.mask_token_id to an id that is neither EOS, pad nor any special token")
-    if token_counts is not None and mask_token_id < len(token_counts) and int(token_counts[mask_token_id]) > 0:
-        raise DFlashConfigError(f"mask token {mask_token_id} occurs {int(token_counts[mask_token_id])} times among "
-                                "the training data's supervised tokens; set strategy.mask_token_id to an id the data "
-                                "never uses (e.g. an unused embedding row)")
+    if token_counts is None or int(token_counts[mask_token_id]) == 0:
+        return mask_token_id
+    special = special_token_ids(extra)
+    for candidate in range(len(token_counts) - 1, -1, -1):
+        if candidate not in special and int(token_counts[candidate]) == 0:
+            return candidate
+    raise DFlashConfigError("every token id of the target's vocabulary is special or supervised by the training "
+                            "data, so no mask token is free; set strategy.mask_token_id")
 
 
 def _check_id(source: str, value: Any, vocab_size: int) -> None:

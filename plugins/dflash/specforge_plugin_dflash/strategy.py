@@ -11,8 +11,10 @@ forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
+import attrs
 import torch
 
 from specforge_core.dtypes import torch_dtype
@@ -22,7 +24,7 @@ from specforge_core.protocols import BuildContext, CapturePlan, DataStats, Specu
 
 from . import DFlashOptions
 from .blocks import Blocks, block_attention_mask, build_blocks, draw_blocks, valid_anchor_mask
-from .config import DFlashConfig, check_mask_token
+from .config import DFlashConfig, mask_token_for_data
 from .export import export_dflash, load_dflash
 from .loss import acceptance_lengths, block_metrics, chunked_cross_entropy, no_anchor_samples, weighted_mean
 from .model import DFlashBackbone
@@ -48,6 +50,16 @@ def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: 
                                     dtypes={"input_ids": torch.long, "loss_mask": torch.long})
     lengths = torch.tensor(lengths)
     return TrainBatch(tensors={**tensors, "lengths": lengths}, sample_ids=sample_ids, num_tokens=int(lengths.sum()))
+
+
+def _mask_origin(extra: Mapping[str, Any], token: int) -> str:
+    """Why ``token`` fills the drafted positions, for the log line."""
+    if extra.get("mask_token_id") == token:
+        return "the tokenizer's mask token"
+    size = extra.get("tokenizer_size")
+    if isinstance(size, int) and token >= size:
+        return "an embedding row the tokenizer never produces"
+    return "the highest id that is no special token and not in the training data"
 
 
 class DFlashStrategy:
@@ -89,7 +101,13 @@ class DFlashStrategy:
         """The draft for ``target``; its mask token is checked against the target's special tokens and the data."""
         config = self.draft_config(target)
         if self.options.mask_token_id is None:  # an explicit choice is the user's to make
-            check_mask_token(config.mask_token_id, stats.token_counts, target.extra)
+            chosen = mask_token_for_data(config.mask_token_id, stats.token_counts, target.extra)
+            # Recorded in the options (and so in run.json): a rebuild without the data gets the same draft.
+            self.options = attrs.evolve(self.options, mask_token_id=chosen)
+            config = attrs.evolve(config, mask_token_id=chosen)
+            if stats.token_counts is not None and (self.context is None or self.context.rank == 0):
+                print(f"{self.name}: mask token {chosen} ({_mask_origin(target.extra, chosen)}; set "
+                          "strategy.mask_token_id to choose)", file=sys.stderr, flush=True)
         return self.model_class(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"],
                                 **self.model_kwargs(target))
 

@@ -5,11 +5,11 @@ import torch
 
 from specforge_core.errors import OptionError
 from specforge_core.options import build_options
-from specforge_core.protocols import TargetInfo
+from specforge_core.protocols import DataStats, TargetInfo
 
 from specforge_plugin_dflash import DFlashOptions
-from specforge_plugin_dflash.config import (DFlashConfig, DFlashConfigError, check_mask_token,
-                                            default_target_layer_ids, resolve_mask_token_id)
+from specforge_plugin_dflash.config import (DFlashConfig, DFlashConfigError, default_target_layer_ids,
+                                            mask_token_for_data, resolve_mask_token_id)
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 
@@ -90,14 +90,28 @@ def test_a_tokenizer_without_a_free_token_never_gets_its_eos_pad_or_specials_as_
             "special_token_ids": [0, 1, 2, 97, 98, 99]}
     mask = resolve_mask_token_id(None, 100, smol)
     assert mask == 96 and mask not in {0, 1, 2, 97, 98, 99}
-    check_mask_token(mask, torch.zeros(100, dtype=torch.long), smol)  # the data never supervises it: accepted
     counts = torch.zeros(100, dtype=torch.long)
-    counts[96] = 3
-    with pytest.raises(DFlashConfigError, match="mask token 96 occurs 3 times among the training data's supervised "
-                                                "tokens; set strategy.mask_token_id"):
-        check_mask_token(mask, counts, smol)
-    with pytest.raises(DFlashConfigError, match="mask token 2 is the target's EOS token"):
-        check_mask_token(2, None, smol)
+    assert mask_token_for_data(mask, counts, smol) == 96  # the data never supervises it: kept
+    counts[90:97] = 3  # the data uses 90..96: the highest id neither special nor in the data
+    assert mask_token_for_data(mask, counts, smol) == 89
+    counts[:] = 1
+    with pytest.raises(DFlashConfigError, match="no mask token is free; set strategy.mask_token_id"):
+        mask_token_for_data(mask, counts, smol)
+
+
+def test_build_model_records_the_mask_token_it_chose_from_the_data(capsys):
+    target = TargetInfo(num_layers=4, hidden_size=8, vocab_size=100,
+                        extra={"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 16,
+                               "tokenizer_size": 100, "eos_token_id": 2, "pad_token_id": 2,
+                               "special_token_ids": [0, 1, 2]})
+    counts = torch.zeros(100, dtype=torch.long)
+    counts[95:] = 1
+    strategy = DFlashStrategy(DFlashOptions(target_layer_ids=[1, 2]))
+    model = strategy.build_model(target, {"embed_tokens": torch.zeros(100, 8), "lm_head": torch.zeros(100, 8)},
+                                 DataStats(token_counts=counts, num_samples=2))
+    assert model.config.mask_token_id == 94 and strategy.options.mask_token_id == 94
+    assert "dflash: mask token 94 (the highest id that is no special token and not in the training data" in \
+        capsys.readouterr().err
     with pytest.raises(DFlashConfigError, match="option 'strategy.mask_token_id' is 100, not a token id"):
         resolve_mask_token_id(100, 100, {})
 
