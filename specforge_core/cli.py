@@ -236,7 +236,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
         return
     if plan.role == "producer":
-        from .producer import run_producer
+        from .topologies.stream.producer import run_producer
 
         if resume:
             _fail(OptionError("a producer resumes by itself from its features directory; drop --resume"))
@@ -292,8 +292,8 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     samples already in DIR are skipped. Prints bytes per token and the ratio to the
     unpadded minimum.
     """
-    from .capture import run_capture
     from .config import resolve_plan
+    from .topologies.offline import run_capture
 
     try:
         raw = _raw_config(config_path, assignments, {("strategy", "name"): strategy,
