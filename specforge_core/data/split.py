@@ -3,7 +3,8 @@
 An eval split always exists when it can:
 
 * ``data.eval_path`` names one: its rows evaluate;
-* else the toy target's bundled held-out file (when the run uses the toy's data);
+* else the toy target's held-out conversations (when the run uses the toy's data), with
+  the target's own replies (see the hf engine's ``default_eval_data``);
 * else ``data.eval_holdout`` of the training file's rows is held out (default 5%, at
   least 1 and at most ``data.eval_holdout_max``). The rows are chosen by a hash of the
   file's name and the row's line number, so every run, topology and rank holds out the
@@ -57,7 +58,9 @@ def resolve_data_files(plan: Any, engine: Any) -> DataFiles:
             raise OptionError("no training data: pass --data FILE (JSONL conversations) or set data.path; only the "
                               "toy target ships bundled data")
         train, bundled_eval = (str(p) for p in default)
-        evaluation = data.eval_path or bundled_eval
+        # The engine's on-policy version of its bundled eval split, when it has one (the toy does).
+        own = getattr(engine, "default_eval_data", lambda: None)() if data.eval_path is None else None
+        evaluation = data.eval_path or own or bundled_eval
         return DataFiles(train, str(evaluation), eval_note=f"eval split: {evaluation}")
     if data.eval_path is not None:
         return DataFiles(str(data.path), str(data.eval_path), eval_note=f"eval split: {data.eval_path}")

@@ -163,6 +163,37 @@ class HFTargetEngine:
         data = self._toy_manifest["data"]
         return self.model_path / data["train"], self.model_path / data["eval"]
 
+    def default_eval_data(self) -> Path | None:
+        """The toy's held-out conversations with every reply the target's own greedy reply, else None.
+
+        The bundled eval split was written by the toy's data generator, and the toy gets a
+        good share of it wrong (about two replies in three differ from its greedy ones), so
+        acceptance simulated on it scores the draft after prefixes decoding never visits.
+        Regenerated with ``specforge regenerate``'s code on first use (seconds) and kept
+        beside the bundled file as ``eval.target.jsonl``; a folder that cannot be written
+        to falls back to the bundled file.
+        """
+        default = self.default_data()
+        if default is None:
+            return None
+        bundled = default[1]
+        regenerated = bundled.with_name(bundled.stem + ".target.jsonl")
+        if regenerated.exists():
+            return regenerated
+        from specforge_core.config import RegenerateOptions
+        from specforge_core.regenerate import run_regenerate
+
+        from .toy.build import build_lock
+
+        try:
+            with build_lock(bundled.with_name(f".{regenerated.name}.lock")):
+                if not regenerated.exists():
+                    run_regenerate(self, str(bundled), str(regenerated),
+                                   RegenerateOptions(max_new_tokens=64, batch_size=32), progress=False)
+        except OSError:  # a read-only toy folder: the bundled split still evaluates
+            return bundled
+        return regenerated
+
     # -- capture --------------------------------------------------------------------------
 
     def capture(self, samples: Sequence[Mapping[str, Any]], plan: CapturePlan) -> list[dict[str, Any]]:
