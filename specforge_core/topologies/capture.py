@@ -124,11 +124,19 @@ def prepared_samples(plan: Any, engine: Any, *, echo: bool = True) -> tuple[list
     if files.eval_path is not None:
         eval_samples, eval_report = prepare_file(files.eval_path, engine.tokenizer, keep_line=files.is_eval_line,
                                                  **options)
+        check_eval_split(files, eval_report)
     if echo:
         print(f"train data {files.train_path}: {report.summary()}", file=sys.stderr)
         if files.eval_path is not None:
             print(f"eval data {files.eval_path}: {eval_report.summary()}", file=sys.stderr, flush=True)
     return samples, eval_samples, report, files
+
+
+def check_eval_split(files: Any, report: Any) -> None:
+    """Refuse an eval file the user named that gives no usable sample (a held-out share may come out empty:
+    the run then says it has nothing to evaluate)."""
+    if report.kept == 0 and not files.holdout:
+        raise SpecforgeError(f"the eval split {files.eval_path} gave no usable sample: {report.summary()}")
 
 
 def stored_eval_note(features: str, eval_refs: list[Any]) -> str:

@@ -16,8 +16,8 @@ from ..contracts import SampleRef
 from ..data.loader import FeatureDataLoader
 from ..errors import SpecforgeError
 from ..protocols import BuildContext
-from .capture import (capture_components, capture_into, eval_loader, stored_eval_note, stored_token_rows,
-                      supervised_token_counts)
+from .capture import (capture_components, capture_into, check_eval_split, eval_loader, stored_eval_note,
+                      stored_token_rows, supervised_token_counts)
 
 
 class OfflineSource:
@@ -109,6 +109,8 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
         with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
             fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
                                       strategy=name, skip=set(existing), progress=progress))
+        if split == "eval":
+            check_eval_split(files, report)
         refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
         counts[split] = len(refs)
         by_split[split] = refs
