@@ -49,6 +49,18 @@ def test_an_eval_file_without_a_usable_row_is_refused_naming_it(tiny, tmp_path):
     bad = tmp_path / "eval.jsonl"
     bad.write_text('{"text": "no conversation here"}\n')
     proc = run_specforge(*args(tiny, tmp_path / "run", "--eval-data", str(bad)), expect=1)
-    assert f"error: the eval split {bad} gave no usable sample: 1 rows read: 0 kept" in proc.stderr
+    assert f"error: {bad} gave no usable sample for the eval split: 1 rows read: 0 kept" in proc.stderr
     assert f"e.g. {bad}:1: unknown row format" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_capture_reports_its_data_first_and_refuses_an_empty_eval_split_before_writing(tiny, tmp_path):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"messages": []}\n')
+    features = tmp_path / "features"
+    proc = run_specforge("capture", "--strategy", "eagle3", "--target-model", str(tiny), "--data",
+                         str(tiny / "train.jsonl"), "--eval-data", str(bad), "--output", str(features),
+                         "--set", "strategy.ttt_length=2", expect=1)
+    assert f"train data {tiny / 'train.jsonl'}: " in proc.stderr and "distinct)" in proc.stderr
+    assert f"error: {bad} gave no usable sample for the eval split" in proc.stderr
+    assert "skipped 1: empty conversation" in proc.stderr and not features.exists()

@@ -108,35 +108,37 @@ def prepared_samples(plan: Any, engine: Any, *, echo: bool = True) -> tuple[list
     The eval samples are the eval file's, or the training file's held-out rows (see
     :mod:`specforge_core.data.split`). With ``echo``, says on stderr what was read.
     """
-    import sys
-
-    from ..data.prepare import PrepareReport, prepare_file
+    from ..data.prepare import prepare_file
     from ..data.split import resolve_data_files
 
     files = resolve_data_files(plan, engine)
     options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
     samples, report = prepare_file(files.train_path, engine.tokenizer, keep_line=files.is_train_line, **options)
+    report_split("train", files, report, echo=echo)
     if plan.data.max_samples:
         samples = samples[: plan.data.max_samples]
-    if not samples:
-        raise SpecforgeError(f"{files.train_path} gave no usable training sample: {report.summary()}")
-    eval_samples, eval_report = [], PrepareReport()
+    eval_samples: list[Any] = []
     if files.eval_path is not None:
         eval_samples, eval_report = prepare_file(files.eval_path, engine.tokenizer, keep_line=files.is_eval_line,
                                                  **options)
-        check_eval_split(files, eval_report)
-    if echo:
-        print(f"train data {files.train_path}: {report.summary()}", file=sys.stderr)
-        if files.eval_path is not None:
-            print(f"eval data {files.eval_path}: {eval_report.summary()}", file=sys.stderr, flush=True)
+        report_split("eval", files, eval_report, echo=echo)
     return samples, eval_samples, report, files
 
 
-def check_eval_split(files: Any, report: Any) -> None:
-    """Refuse an eval file the user named that gives no usable sample (a held-out share may come out empty:
-    the run then says it has nothing to evaluate)."""
-    if report.kept == 0 and not files.holdout:
-        raise SpecforgeError(f"the eval split {files.eval_path} gave no usable sample: {report.summary()}")
+def report_split(split: str, files: Any, report: Any, *, echo: bool = True) -> None:
+    """Say what a split's file gave (with ``echo``, on stderr) and refuse a split without a usable sample.
+
+    An eval file the user named must give one; a held-out share may come out empty (the run
+    then says it has nothing to evaluate).
+    """
+    import sys
+
+    path = files.train_path if split == "train" else files.eval_path
+    if echo:
+        print(f"{split} data {path}: {report.summary()}", file=sys.stderr, flush=True)
+    if report.kept == 0 and (split == "train" or not files.holdout):
+        what = "training sample" if split == "train" else "sample for the eval split"
+        raise SpecforgeError(f"{path} gave no usable {what}: {report.summary()}")
 
 
 def stored_eval_note(features: str, eval_refs: list[Any]) -> str:

@@ -16,7 +16,7 @@ from ..contracts import SampleRef
 from ..data.loader import FeatureDataLoader
 from ..errors import SpecforgeError
 from ..protocols import BuildContext
-from .capture import (capture_components, capture_into, check_eval_split, eval_loader, stored_eval_note,
+from .capture import (capture_components, capture_into, eval_loader, report_split, stored_eval_note,
                       stored_token_rows, supervised_token_counts)
 
 
@@ -88,6 +88,16 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     apply_threads(plan.train.threads)
     context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
     files = resolve_data_files(plan, engine)
+    splits = [(split, path, keep) for split, path, keep in (("train", files.train_path, files.is_train_line),
+                                                           ("eval", files.eval_path, files.is_eval_line)) if path]
+    options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
+    # A first pass tokenizes without capturing: the data report comes first, and a bad split is
+    # refused before anything is written.
+    for split, path, keep in splits:
+        report = PrepareReport()
+        for _ in iter_samples(path, engine.tokenizer, keep_line=keep, report=report, **options):
+            pass
+        report_split(split, files, report)
     name = plan["strategy"].spec.name
     root, store = create_feature_set(plan.output, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
@@ -97,20 +107,14 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     by_split: dict[str, list[SampleRef]] = {}
     reports: dict[str, Any] = {}
     tokens = minimum = 0
-    for split, path, keep in (("train", files.train_path, files.is_train_line),
-                              ("eval", files.eval_path, files.is_eval_line)):
-        if path is None:
-            continue
+    for split, path, keep in splits:
         report = PrepareReport()
-        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length, keep_line=keep,
-                               last_turn_only=plan.data.last_turn_only, strict=plan.data.strict, report=report)
+        samples = iter_samples(path, engine.tokenizer, keep_line=keep, report=report, **options)
         if split == "train" and plan.data.max_samples:
             samples = (s for i, s in zip(range(plan.data.max_samples), samples))
         with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
             fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
                                       strategy=name, skip=set(existing), progress=progress))
-        if split == "eval":
-            check_eval_split(files, report)
         refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
         counts[split] = len(refs)
         by_split[split] = refs
