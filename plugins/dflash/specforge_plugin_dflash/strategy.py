@@ -100,12 +100,13 @@ class DFlashStrategy:
     def build_model(self, target: TargetInfo, frozen_parts: Mapping[str, Any], stats: DataStats) -> DFlashBackbone:
         """The draft for ``target``; its mask token is checked against the target's special tokens and the data."""
         config = self.draft_config(target)
+        counts = getattr(stats, "token_counts", None)  # no stats: a rebuild, or a draft without data
         if self.options.mask_token_id is None:  # an explicit choice is the user's to make
-            chosen = mask_token_for_data(config.mask_token_id, stats.token_counts, target.extra)
+            chosen = mask_token_for_data(config.mask_token_id, counts, target.extra)
             # Recorded in the options (and so in run.json): a rebuild without the data gets the same draft.
             self.options = attrs.evolve(self.options, mask_token_id=chosen)
             config = attrs.evolve(config, mask_token_id=chosen)
-            if stats.token_counts is not None and (self.context is None or self.context.rank == 0):
+            if counts is not None and (self.context is None or self.context.rank == 0):
                 print(f"{self.name}: mask token {chosen} ({_mask_origin(target.extra, chosen)}; set "
                           "strategy.mask_token_id to choose)", file=sys.stderr, flush=True)
         return self.model_class(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"],
