@@ -16,6 +16,7 @@ import click
 from . import __version__
 from .errors import CapabilityError, OptionError, PluginError, SpecforgeError, UnknownComponentError
 from .plugins import get_plugin_manager
+from .serving import DEFAULT_EXPORT_DTYPE, EXPORT_DTYPES
 from .specs import SPEC_KINDS
 
 #: What `specforge options` describes: the core's own sections, then one per component kind.
@@ -124,6 +125,9 @@ def options(section: str | None, name: str | None) -> None:
     except SpecforgeError as exc:
         _fail(exc)
     click.echo(f"{spec.origin()}: {spec.description}")
+    if section == "strategy":
+        formats = ", ".join(spec.export_formats) or "none (it cannot be exported for serving)"
+        click.echo(f"  export formats: {formats}")
     _echo_option_rows(section, describe_options(spec.options))
 
 
@@ -371,44 +375,60 @@ def regenerate(target_engine: str | None, target_model: str | None, data: str, o
 
 @cli.command(name="export")
 @click.argument("source", type=click.Path(exists=True, file_okay=False), metavar="RUN_OR_CHECKPOINT")
-@click.option("--format", "fmt", default="sglang", show_default=True, type=click.Choice(["sglang"]),
-              help="Serving format to write.")
+@click.option("--format", "fmt", default=None, metavar="FORMAT",
+              help="Serving format to write: one the strategy's plugin declares (eagle3 and dflash: sglang, vllm, "
+                   "speculators; domino: sglang). Default: the strategy's first. `sglang` and `vllm` write the same "
+                   "folder for eagle3 and dflash: it serves in both engines.")
+@click.option("--dtype", default=DEFAULT_EXPORT_DTYPE, show_default=True, type=click.Choice(EXPORT_DTYPES),
+              help="dtype of the exported weights: the dtype the draft will be served in (SGLang and vLLM serve a "
+                   "float32 export as float16 under --dtype auto).")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Directory to write the draft to.")
-def export_command(source: str, fmt: str, output: str) -> None:
+def export_command(source: str, fmt: str | None, dtype: str, output: str) -> None:
     """Export a trained draft for serving.
 
     RUN_OR_CHECKPOINT is a run's output directory (its best checkpoint, else the latest)
-    or one checkpoint directory. Writes safetensors and a config.json SGLang loads.
+    or one checkpoint directory. Writes model.safetensors and config.json in the chosen
+    format; see docs/serving.md for the engine command lines.
     """
-    from .export import export_model, rebuild_model, resolve_checkpoint
+    from .export import export_format, export_model, rebuild_model, resolve_checkpoint
 
     try:
         checkpoint, run_dir = resolve_checkpoint(source)
-        strategy, model, target, _frozen = rebuild_model(get_plugin_manager(), checkpoint, run_dir)
-        out = export_model(strategy, model, target, output, fmt)
+        spec, strategy, model, target = rebuild_model(get_plugin_manager(), checkpoint, run_dir)
+        fmt = export_format(spec, fmt)
+        out = export_model(strategy, model, target, output, spec=spec, fmt=fmt, dtype=dtype)
     except SpecforgeError as exc:
         _fail(exc)
-    click.echo(f"exported {checkpoint.name} as {fmt} to {out}")
+    click.echo(f"exported {checkpoint.name} of strategy {spec.name} as {fmt} ({dtype}) to {out}")
 
 
 @cli.command(name="eval")
 @click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False),
-              help="An exported draft directory (`specforge export` or OUTPUT/export of a run).")
+              help="An exported draft directory (`specforge export` or OUTPUT/export of a run), in any format "
+                   "specforge writes.")
 @click.option("--target-model", default=None, metavar="PATH", help="Target model folder. Default: the toy target.")
 @click.option("--target-engine", default="hf", show_default=True, metavar="NAME", help="Target engine plugin.")
 @click.option("--data", "--prompts", "prompts", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL conversations; each is cut at its last user turn. Default: the toy target's eval split.")
 @click.option("--num-prompts", default=32, show_default=True, help="How many prompts to decode.")
 @click.option("--max-new-tokens", default=64, show_default=True, help="Tokens generated per prompt.")
+@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a strategy or target engine option, e.g. --set strategy.spec_depth=4 or --set "
+                   "target_engine.dtype=bfloat16 (repeatable). The strategy starts from the options it was "
+                   "trained with, recorded in the export.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 def eval_command(draft: str, target_model: str | None, target_engine: str, prompts: str | None, num_prompts: int,
-                 max_new_tokens: int, as_json: bool) -> None:
-    """Measure a draft's real acceptance length with speculative decoding.
+                 max_new_tokens: int, assignments: tuple[str, ...], as_json: bool) -> None:
+    """Measure a draft's real acceptance length and speedup with speculative decoding.
 
-    Every prompt is decoded twice: by the target alone (greedy) and speculatively with
-    the draft. The outputs must be identical token for token (exit status 1 otherwise);
-    tau_real is tokens per target verification forward, bonus token included.
+    Every prompt is decoded twice on the same engine: by the target alone (greedy) and
+    speculatively with the draft. The outputs must be identical token for token (exit
+    status 1 otherwise). accept_len_real is tokens per target verification forward, bonus
+    token included; the speedup is the wall-clock ratio of new tokens per second of the
+    two decodes (batch 1, prefill included) on this machine, not a prediction of a GPU
+    serving engine's (docs/serving.md says what it does and does not tell).
     """
+    from .config import apply_sets
     from .export import load_exported_draft
     from .options import build_options
     from .protocols import BuildContext
@@ -418,16 +438,25 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
 
     try:
         apply_threads(None)
+        sets = apply_sets({}, assignments)
+        unknown = sorted(set(sets) - {"strategy", "target_engine"})
+        if unknown:
+            raise OptionError(f"`specforge eval --set` takes strategy.KEY=VALUE and target_engine.KEY=VALUE, not "
+                              f"{unknown[0]}.*")
         manager = get_plugin_manager()
         spec = manager.get("target_engine", target_engine)
-        values = {"model": target_model} if target_model else {}
+        values = {k: v for k, v in sets.get("target_engine", {}).items() if k != "name"}
+        if target_model:
+            values["model"] = target_model
         engine = spec.load_factory()(build_options(spec.options, values, section="target_engine"), BuildContext())
-        strategy, model = load_exported_draft(manager, draft, engine)
+        overrides = {k: v for k, v in sets.get("strategy", {}).items() if k != "name"}
+        strategy, model = load_exported_draft(manager, draft, engine, overrides)
         if prompts is None:
             default = getattr(engine, "default_data", lambda: None)()
             if default is None:
                 raise OptionError("no prompts: pass --data FILE (only the toy target ships held-out prompts)")
-            prompts = str(default[1])
+            # the eval split a run on the toy measures: its held-out prompts with the target's own replies
+            prompts = str(getattr(engine, "default_eval_data", lambda: None)() or default[1])
         prompt_ids = prompts_from_jsonl(prompts, engine.tokenizer, limit=num_prompts)
         if not prompt_ids:
             raise OptionError(f"{prompts} holds no usable prompt (a conversation with a user turn)")
@@ -437,9 +466,12 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(f"tau_real {result['tau_real']:.3f} ({result['convention']}) over {result['prompts']} prompts, "
-                   f"{result['tokens']} tokens in {result['target_forwards']} target forwards; output identical to "
-                   "the target's greedy decode")
+        click.echo(f"accept_len_real {result['accept_len_real']:.3f} ({result['convention']}) over "
+                   f"{result['prompts']} prompts, {result['tokens']} tokens in {result['target_forwards']} target "
+                   "forwards; output identical to the target's greedy decode")
+        click.echo(f"speed: greedy {result['greedy_tokens_per_s']:.1f} tokens/s, speculative "
+                   f"{result['speculative_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x "
+                   "(wall clock on this machine, batch 1)")
 
 
 def build_cli() -> click.Group:

@@ -26,6 +26,7 @@ import yaml
 from .errors import OptionError
 from .options import build_options, fraction, non_negative, option, options_to_dict, parse_set_value, positive
 from .plugins import PluginManager
+from .serving import DEFAULT_EXPORT_DTYPE, EXPORT_DTYPES
 from .specs import SPEC_KINDS, ComponentSpec, check_capabilities
 
 COMPONENT_SECTIONS = tuple(SPEC_KINDS)  # strategy, target_engine, feature_store, control_plane
@@ -67,7 +68,11 @@ class TrainOptions:
     threads: int | None = option(None, "Torch CPU threads of this process. None: OMP_NUM_THREADS when set, else the "
                                        "cores this process may run on. On a machine shared with other jobs, set "
                                        "it to the cores you have to yourself.", check=positive)
-    export: bool = option(True, "At the end, export the draft for serving into OUTPUT/export (when the strategy can).")
+    export: bool = option(True, "At the end, export the draft for serving into OUTPUT/export (when the strategy can), "
+                                "in the first format its plugin declares.")
+    export_dtype: str = option(DEFAULT_EXPORT_DTYPE, "dtype of the exported draft's weights: the dtype it will be "
+                                                     "served in (SGLang and vLLM serve a float32 export as float16 "
+                                                     "under --dtype auto).", choices=EXPORT_DTYPES)
     real_eval_prompts: int = option(16, "Held-out prompts for the real speculative-decoding check at the end "
                                         "(tau_real); 0 skips it.", check=non_negative)
     real_eval_max_new_tokens: int = option(64, "Tokens generated per prompt in that check.", check=positive)

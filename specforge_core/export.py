@@ -27,14 +27,24 @@ from .errors import SpecforgeError
 from .fileio import fsync_dir
 from .hfconfig import config_value
 from .protocols import BuildContext, DataStats, TargetInfo
+from .serving import DEFAULT_EXPORT_DTYPE, check_export_dtype
 
 if TYPE_CHECKING:
     import torch
 
 RUN_FILE = "run.json"
-EXPORT_FORMATS = ("sglang",)
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+#: The serving formats first-party strategies write, and what each is (a strategy's spec says which it can).
+EXPORT_FORMATS = {
+    "sglang": "the folder SGLang loads (for EAGLE3 and DFlash the same folder also serves in vLLM)",
+    "vllm": "the folder vLLM loads natively; for EAGLE3 and DFlash the very folder `sglang` writes",
+    "speculators": "vLLM's speculators layout (speculators_config + transformer_layer_config), what the "
+                   "speculators library writes",
+}
+#: config.json fields every specforge export carries, so `specforge eval` rebuilds the strategy as trained.
+STRATEGY_FIELD = "specforge_strategy"
+OPTIONS_FIELD = "specforge_strategy_options"
 
 
 class ExportError(SpecforgeError):
@@ -61,8 +71,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
                       "'best' or 'latest' checkpoint")
 
 
-def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, Any, TargetInfo, dict[str, Any]]:
-    """(strategy, model with the checkpoint's weights, target info, frozen parts) of a finished run."""
+def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, Any, Any, TargetInfo]:
+    """(strategy spec, strategy, model with the checkpoint's weights, target info) of a finished run."""
     from safetensors.torch import load_file
 
     from .config import plan_to_raw, resolve_plan
@@ -86,53 +96,147 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     if frozen_fingerprint(frozen) != state["contract"]["target"]:
         raise ExportError(f"the target's frozen parts differ from the ones {checkpoint} was trained against")
+    # The weights do not say which target layers they were trained on: the export must repeat the recorded ones.
+    trained_on, resolved = state["contract"].get("layer_ids"), list(strategy.capture_plan(target).layer_ids)
+    if trained_on is None:
+        raise ExportError(f"{checkpoint} does not record the target layers its draft was trained on (it predates "
+                          "specforge recording them), so no export could name them safely; train the draft again")
+    if trained_on != resolved:
+        raise ExportError(f"{checkpoint} was trained on target layers {trained_on}, but the run's strategy options "
+                          f"now resolve to {resolved} (a plugin's defaults changed?); set them explicitly, e.g. "
+                          "strategy.aux_layer_ids or strategy.target_layer_ids, in the run's run.json")
     model = strategy.build_model(target, frozen, DataStats())
     load_model_state(model, load_file(str(checkpoint / "model.safetensors")), DistInfo())
-    return strategy, model, target, frozen
+    return plan["strategy"].spec, strategy, model, target
 
 
-def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | os.PathLike[str],
-                 fmt: str = "sglang") -> Path:
-    """Write ``model`` in serving format ``fmt`` into ``out_dir``; a new folder is removed again if that fails."""
-    if fmt not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(EXPORT_FORMATS)}")
+def export_format(spec: Any, fmt: str | None = None) -> str:
+    """The serving format ``fmt`` (default: the first the strategy's spec declares), checked against the spec."""
+    formats = tuple(getattr(spec, "export_formats", ()))
+    if not formats:
+        raise ExportError(f"strategy {spec.name!r} declares no serving format (its spec's export_formats is "
+                          "empty), so it cannot be exported for a serving engine")
+    if fmt is None:
+        return formats[0]
+    check_format(fmt, formats, spec.name)
+    return fmt
+
+
+def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | os.PathLike[str], *, spec: Any,
+                 fmt: str | None = None, dtype: str = DEFAULT_EXPORT_DTYPE) -> Path:
+    """Write ``model`` in serving format ``fmt`` (see :func:`export_format`) with its floating-point weights
+    in ``dtype`` into ``out_dir``; a new folder is removed again if that fails.
+
+    The strategy's ``export(model, out_dir, target, *, fmt, dtype)`` writes the folder; an
+    implementation that accepts fewer keyword arguments is called with those it accepts.
+    """
+    fmt = export_format(spec, fmt)
+    check_export_dtype(dtype, error=ExportError)
     if not hasattr(strategy, "export"):
-        raise ExportError(f"strategy {type(strategy).__name__} cannot export for serving")
+        raise ExportError(f"strategy {spec.name!r} declares export formats {list(spec.export_formats)} but has no "
+                          "export method")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"cannot export to {out}: it exists and is not a folder; choose another --output")
     created = not out.exists()  # the strategy's writer makes the folder (and says what it left)
     try:
-        strategy.export(model, str(out), target)
+        strategy.export(model, str(out), target, **accepted_kwargs(strategy.export, fmt=fmt, dtype=dtype))
     except BaseException:
         _remove_if_empty(out, created)
         raise
     return out
 
 
-def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine: Any) -> tuple[Any, Any]:
-    """(strategy, model) from an export directory; the strategy is named in its config.json."""
+def accepted_kwargs(function: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments of ``kwargs`` that ``function`` accepts: a protocol method grows by adding
+    keyword arguments, and an implementation written before one was added simply does not get it."""
+    import inspect
+
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {name: value for name, value in kwargs.items() if name in parameters}
+
+
+def strategy_fields(name: str, options: Any) -> dict[str, Any]:
+    """The config.json fields naming the strategy and the options it was trained with (for `specforge eval`)."""
+    from .options import options_to_dict
+
+    return {STRATEGY_FIELD: name, OPTIONS_FIELD: options_to_dict(options) if options is not None else {}}
+
+
+def load_exported_draft(manager: Any, draft_dir: str | os.PathLike[str], engine: Any,
+                        overrides: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+    """(strategy, model) from an export directory; the strategy is named in its config.json.
+
+    The strategy is rebuilt with the options recorded at export (``specforge_strategy_options``;
+    an option the installed plugin no longer knows is dropped), then ``overrides`` (``--set
+    strategy.KEY=VALUE`` of `specforge eval`), validated like a run's.
+    """
+    import attrs as _attrs
+
     from .options import build_options
 
     config = open_export(draft_dir, what="an exported draft", weights=False)
-    name = config.get("specforge_strategy")
+    name = config.get(STRATEGY_FIELD)
     if not name:
-        raise ExportError(f"{config.source} does not name its strategy (specforge_strategy); was it exported by "
+        raise ExportError(f"{config.source} does not name its strategy ({STRATEGY_FIELD}); was it exported by "
                           "specforge?")
     spec = manager.get("strategy", name)
-    strategy = spec.load_factory()(build_options(spec.options, {}, section="strategy"), BuildContext())
+    recorded = config.value(OPTIONS_FIELD, dict, {})
+    known = {field.name for field in _attrs.fields(spec.options)} if _attrs.has(spec.options) else set()
+    values = {key: value for key, value in recorded.items() if key in known}
+    values.update(overrides or {})
+    strategy = spec.load_factory()(build_options(spec.options, values, section="strategy"), BuildContext())
     model = strategy.load_export(str(config.source.parent), engine.info(), engine.frozen_parts())
     return strategy, model
 
 
+# ---------------------------------------------------------------- vLLM's speculators layout
+#: The field naming a speculators-format config.json's algorithm (what vLLM's speculators loader keys on).
+SPECULATORS_TYPE = "speculators_model_type"
+
+
+def speculators_config(algorithm: str, speculative_tokens: int, target: TargetInfo | None) -> dict[str, Any]:
+    """The ``speculators_config`` section vLLM's speculators loader requires: one greedy proposal method of
+    ``speculative_tokens`` tokens (vLLM's default ``num_speculative_tokens``) and the verifier (target)
+    it was trained for, by path or name and architecture."""
+    architecture = (target.extra.get("architecture") if target is not None else None)
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": target.model_id if target is not None else None,
+                     "architectures": [architecture] if architecture else []},
+    }
+
+
+def speculators_type(config: Mapping[str, Any]) -> str | None:
+    """The ``speculators_model_type`` of a config.json, or None for the SGLang / vLLM native layout."""
+    value = config.get(SPECULATORS_TYPE)
+    return value if isinstance(value, str) else None
+
+
+def check_format(fmt: str, formats: Iterable[str], strategy: str, *, error: type[ExportError] = ExportError) -> None:
+    """Refuse ``fmt`` unless the strategy's writer handles it (``formats``), naming those it does."""
+    formats = tuple(formats)
+    if fmt not in formats:
+        raise error(f"strategy {strategy!r} exports as {', '.join(formats)}, not {fmt!r}; pass --format {formats[0]}")
+
+
 # ---------------------------------------------------------------- writing an export folder
-def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors an export holds: ``model.state_dict()`` without frozen parameters, whole and on the CPU.
+def export_state(model: torch.nn.Module, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors an export holds: ``model.state_dict()`` without frozen parameters, whole and on the CPU,
+    with floating-point tensors cast to ``dtype`` when given (integer and bool buffers keep theirs).
 
     Frozen parameters are the target's (embedding, lm_head), which the server takes from the
     target itself. An FSDP2 shard is gathered with ``full_tensor()``, a collective: every
     rank must call this, even those that will not write.
     """
+    from .dtypes import torch_dtype
+
+    cast = torch_dtype(dtype) if dtype is not None else None
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     state = {}
     for name, tensor in model.state_dict().items():
@@ -140,7 +244,10 @@ def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        state[name] = tensor.detach().cpu().contiguous()
+        tensor = tensor.detach().cpu()
+        if cast is not None and tensor.is_floating_point():
+            tensor = tensor.to(cast)
+        state[name] = tensor.contiguous()
     return state
 
 

@@ -157,9 +157,13 @@ class Strategy(Protocol):
     :class:`TrainBatch`; ``forward_loss`` returns a :class:`StepOutput` with ratio metrics as
     (numerator, denominator).
 
-    Strategies that can be served also implement ``export(model, out_dir, target)`` (a
-    directory SGLang loads; its config.json names the strategy under ``specforge_strategy``),
-    ``load_export(path, target, frozen_parts)`` (the model back from such a directory) and
+    Strategies that can be served declare their formats in their spec (``export_formats``)
+    and implement ``export(model, out_dir, target, *, fmt, dtype)`` (a directory the serving
+    engine of format ``fmt`` loads, floating-point weights in ``dtype``; its config.json names
+    the strategy and its options under ``specforge_strategy`` and
+    ``specforge_strategy_options``, see :func:`specforge_core.export.strategy_fields`; an
+    implementation may accept fewer keyword arguments), ``load_export(path, target,
+    frozen_parts)`` (the model back from a directory in any format it writes) and
     ``speculate(model, session, prompt_ids, *, max_new_tokens, eos_token_id)`` (a real
     speculative decode against a :class:`VerifySession`, returning a
     :class:`SpeculationResult`).

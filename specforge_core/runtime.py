@@ -32,11 +32,14 @@ class RunError(SpecforgeError):
     """A run cannot be assembled from the plan."""
 
 
-def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str) -> dict[str, Any]:
-    """What a resume must match; each key is named in the refusal message."""
+def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str,
+                 layer_ids: Any = ()) -> dict[str, Any]:
+    """What a resume must match; each key is named in the refusal message. ``layer_ids`` are the target
+    layers the draft is trained on (resolved from the options and the target), which an export repeats."""
     return {
         "strategy": plan["strategy"].spec.name,
         "strategy_options": options_to_dict(plan["strategy"].options),
+        "layer_ids": [int(i) for i in layer_ids],
         "world_size": world_size,
         "batch_size": plan.train.batch_size,
         "accumulation_steps": plan.train.accumulation_steps,
@@ -109,7 +112,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None)
                          "train_options_suggested_by_engine": applied}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
-                          contract=run_contract(plan, info.world_size, total_steps, source.fingerprint),
+                          contract=run_contract(plan, info.world_size, total_steps, source.fingerprint,
+                                                strategy.capture_plan(source.target).layer_ids),
                           hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=best_metric,
                           best_mode=best_mode, summary_extra=summary_extra,
                           on_checkpoint=getattr(source, "checkpointed", None))
@@ -177,13 +181,17 @@ def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any
 
 def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any, context: BuildContext,
              summary: dict[str, Any]) -> dict[str, Any]:
-    """Export the final draft and measure real acceptance; adds both to ``summary.json``.
+    """Export the final draft and measure its real acceptance and speedup; adds both to ``summary.json``.
 
     The summary names every acceptance figure in one vocabulary (bonus token included):
-    ``accept_len_sim`` (the decode replayed on the eval split) and ``accept_len_real`` (the
-    draft really decoding held-out prompts); ``tau_sim`` / ``tau_real`` are the former names.
+    ``accept_len_sim`` (greedy decoding replayed on the eval split) and ``accept_len_real``
+    (the draft really decoding held-out prompts); ``tau_sim`` / ``tau_real`` are the former
+    names. When an export was written, the draft measured is the export itself, read back as
+    `specforge eval` reads it (its weights in the served dtype), so the summary describes the
+    folder that gets served; otherwise the trained weights are measured as they are.
     """
     from .acceptance import ACCEPT_LEN_CONVENTION
+    from .dtypes import dtype_name
     from .export import export_model
     from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_token_rows
     from .training.checkpoint import load_model_state, model_state
@@ -191,11 +199,12 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
     from .training.trainer import write_summary
 
     train = plan.train
+    spec = plan["strategy"].spec
     final_eval = summary.get("final_eval", {})
     summary.update({"accept_len_sim": final_eval.get("eval/accept_len_sim"),
                     "accept_len_convention": ACCEPT_LEN_CONVENTION,
                     "tau_sim": final_eval.get("eval/tau_sim"), "tau_sim_convention": TAU_SIM_CONVENTION})
-    wants_export = train.export and hasattr(strategy, "export")
+    wants_export = train.export and bool(spec.export_formats) and hasattr(strategy, "export")
     wants_real = train.real_eval_prompts > 0 and hasattr(strategy, "speculate")
     if not (wants_export or wants_real):
         if info.is_main:
@@ -207,8 +216,22 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
     model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
     load_model_state(model, state, DistInfo())
     extra: dict[str, Any] = {}
+    measured, draft = model, f"the trained weights ({dtype_name(next(model.parameters()).dtype)})"
     if wants_export:
-        extra["export"] = str(export_model(strategy, model, source.target, Path(plan.output) / "export"))
+        from .export import ExportError
+
+        try:
+            out = export_model(strategy, model, source.target, Path(plan.output) / "export", spec=spec,
+                               dtype=train.export_dtype)
+        except ExportError as exc:  # the trained checkpoints stand; only the serving folder is missing
+            print(f"warning: no export written: {exc}", file=sys.stderr, flush=True)
+            extra["export"] = {"skipped": str(exc)}
+        else:
+            extra["export"] = str(out)
+            extra["export_format"] = {"format": spec.export_formats[0], "dtype": train.export_dtype}
+            if wants_real:
+                measured = strategy.load_export(str(out), source.target, source.frozen_parts())
+                draft = f"the export in {out.name}/ ({train.export_dtype})"
     if wants_real:
         engine, reason = _eval_engine(plan, source, context)
         prompts = prompts_from_token_rows(source.eval_token_rows(train.real_eval_prompts),
@@ -216,12 +239,13 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
         if engine is not None and not prompts:
             reason = f"no held-out prompts ({getattr(source, 'eval_note', 'no eval split')})"
         if reason is None:
-            result = measure_acceptance(strategy, model, engine, prompts,
+            result = measure_acceptance(strategy, measured, engine, prompts,
                                         max_new_tokens=train.real_eval_max_new_tokens)
             extra["accept_len_real"] = extra["tau_real"] = result["accept_len_real"]
-            extra["real_eval"] = {k: v for k, v in result.items() if k != "per_prompt"}
+            extra["speedup"] = result["speedup"]
+            extra["real_eval"] = {**{k: v for k, v in result.items() if k != "per_prompt"}, "draft": draft}
         else:
-            extra["accept_len_real"] = extra["tau_real"] = None
+            extra["accept_len_real"] = extra["tau_real"] = extra["speedup"] = None
             extra["real_eval"] = {"skipped": reason}
     summary.update(extra)
     write_summary(plan.output, summary)

@@ -84,13 +84,17 @@ class StrategySpec(ComponentSpec):
 
     ``requires`` lists target-engine capabilities it needs (e.g. ``"aux_hidden_states"``,
     ``"last_hidden"``, ``"verify"``); ``best_metric`` names the eval metric that picks the
-    best checkpoint and whether higher is better; ``suggested_train`` holds ``train``
-    options from the algorithm's published recipes (e.g. ``{"lr": 6e-4, "warmup_ratio":
-    0.04}``), applied wherever the user set nothing.
+    best checkpoint and whether higher is better; ``export_formats`` names the serving
+    formats its ``export`` can write (``"sglang"``, ``"vllm"``, ``"speculators"``, or a
+    plugin's own), the first being the default — empty when the draft cannot be served, and
+    then ``specforge export`` refuses it; ``suggested_train`` holds ``train`` options from the
+    algorithm's published recipes (e.g. ``{"lr": 6e-4, "warmup_ratio": 0.04}``), applied
+    wherever the user set nothing.
     """
 
     kind = "strategy"
     requires: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    export_formats: tuple[str, ...] = attrs.field(factory=tuple, converter=tuple)
     best_metric: str = "loss"
     best_mode: str = attrs.field(default="min", validator=attrs.validators.in_(("min", "max")))
     suggested_train: dict[str, Any] = attrs.field(factory=dict, converter=dict, eq=False)

@@ -3,10 +3,13 @@
 For each held-out prompt, the target's plain greedy decode is the reference; the
 strategy's ``speculate`` loop (draft proposes, target verifies in one forward, accept the
 matching prefix plus the target's bonus token) must produce exactly the same tokens. The
-real mean acceptance length ``tau_real`` is tokens generated per target verification
-forward, **bonus token included** — the number serving reports call acceptance length. The
-prefill forward (which yields the first token before any draft runs) is not a verification
-and is left out of both counts.
+real mean acceptance length ``accept_len_real`` (formerly ``tau_real``) is tokens generated
+per target verification forward, **bonus token included** — the number serving reports call
+acceptance length. The prefill forward (which yields the first token before any draft runs)
+is not a verification and is left out of both counts.
+
+Both decodes are timed, so the same measurement gives the wall-clock ``speedup`` of
+speculative decoding over plain greedy decoding on this engine.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ TAU_REAL_CONVENTION = ("tokens per target verification forward, bonus token incl
                        "forward and the first token it yields are not counted, as serving engines report it")
 TAU_SIM_CONVENTION = ("the former simulated figure, kept one release: expected accepted draft tokens per round "
                       "from per-step eval accuracy, bonus token excluded; read accept_len_sim instead")
+SPEEDUP_CONVENTION = ("wall-clock new tokens per second of speculative decoding over the target's plain greedy "
+                      "decode, batch 1, same engine, prompts and threads, prefill included in both; measured on "
+                      "this machine's engine, it is not a serving engine's speedup on a GPU")
 
 
 class LosslessError(SpecforgeError):
@@ -117,7 +123,16 @@ def prompts_from_token_rows(rows: Iterable[tuple[Sequence[int], Sequence[int]]],
 
 def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable[list[int]], *,
                        max_new_tokens: int = 64, progress: bool = True) -> dict[str, Any]:
-    """Speculative decoding on every prompt; raises :class:`LosslessError` on any mismatch."""
+    """Speculative decoding on every prompt, timed against the target's plain greedy decode.
+
+    Raises :class:`LosslessError` on any mismatch. Besides the acceptance length, reports the
+    wall-clock speed of both decodes on the same engine, prompts and threads: new tokens per
+    second of each (prefill included in both, the first token too) and their ratio, the
+    ``speedup`` (see :data:`SPEEDUP_CONVENTION`). One untimed warm-up of each decode on the first
+    prompt comes first, so one-time costs (allocator growth, lazy kernels) are not timed.
+    """
+    import time
+
     from tqdm import tqdm
 
     target = engine.info()
@@ -125,12 +140,26 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
     eos = target.extra.get("eos_token_id")
     model.eval()
     prompts = list(prompts)
-    tokens = forwards = 0
+
+    def greedy(prompt: list[int], limit: int) -> list[int]:
+        return greedy_decode(engine, prompt, plan, max_new_tokens=limit, eos_token_id=eos)
+
+    def speculative(prompt: list[int], limit: int) -> Any:
+        session = engine.session(torch.tensor(prompt, dtype=torch.long), plan)
+        return strategy.speculate(model, session, prompt, max_new_tokens=limit, eos_token_id=eos)
+
+    if prompts:  # warm-up, untimed
+        greedy(prompts[0], min(8, max_new_tokens))
+        speculative(prompts[0], min(8, max_new_tokens))
+    tokens = forwards = generated = 0
+    greedy_s = speculative_s = 0.0
     per_prompt = []
     for index, prompt in enumerate(tqdm(prompts, desc="speculative decoding", unit="prompt", disable=not progress)):
-        reference = greedy_decode(engine, prompt, plan, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        session = engine.session(torch.tensor(prompt, dtype=torch.long), plan)
-        result = strategy.speculate(model, session, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        start = time.perf_counter()
+        reference = greedy(prompt, max_new_tokens)
+        middle = time.perf_counter()
+        result = speculative(prompt, max_new_tokens)
+        end = time.perf_counter()
         if list(result.tokens) != reference:
             first = next((i for i, (a, b) in enumerate(zip(result.tokens, reference)) if a != b),
                          min(len(result.tokens), len(reference)))
@@ -140,11 +169,17 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
         # The strategy counts the prefill as a forward yielding the first token: leave it out.
         tokens += max(0, len(result.tokens) - 1)
         forwards += max(0, result.target_forwards - 1)
+        generated += len(reference)
+        greedy_s += middle - start
+        speculative_s += end - middle
         per_prompt.append({"tokens": len(result.tokens), "target_forwards": result.target_forwards,
+                           "greedy_s": round(middle - start, 6), "speculative_s": round(end - middle, 6),
                            "_rounds": list(result.accept_lengths[1:])})
     from .acceptance import accept_rates
 
     accept_len = tokens / forwards if forwards else 0.0
+    baseline = generated / greedy_s if greedy_s else 0.0
+    fast = generated / speculative_s if speculative_s else 0.0
     rounds = [n for p in per_prompt for n in p.pop("_rounds")]
     return {
         "accept_len_real": accept_len,
@@ -156,5 +191,10 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
         "target_forwards": forwards,
         "identical_to_target_greedy": True,
         "max_new_tokens": max_new_tokens,
+        "generated_tokens": generated,
+        "greedy_tokens_per_s": baseline,
+        "speculative_tokens_per_s": fast,
+        "speedup": fast / baseline if baseline else 0.0,
+        "speedup_convention": SPEEDUP_CONVENTION,
         "per_prompt": per_prompt,
     }

@@ -175,3 +175,11 @@ def test_importing_the_core_does_not_import_torch():
 def test_console_script_is_installed():
     assert run_cli("--help", check=True).stdout.startswith("Usage: specforge")
     assert SPECFORGE.endswith("specforge")
+
+
+def test_options_of_a_strategy_lists_the_formats_it_exports():
+    from sf_helpers import run_specforge
+
+    out = run_specforge("options", "strategy", "eagle3").stdout
+    assert "  export formats: sglang, vllm, speculators" in out
+    assert "  export formats: sglang\n" in run_specforge("options", "strategy", "domino").stdout

@@ -20,6 +20,7 @@ from specforge_core.export import (
     write_export_files,
 )
 from specforge_core.plugins import PluginManager
+from specforge_core.specs import StrategySpec
 
 
 class FormatError(ExportError):
@@ -98,6 +99,9 @@ def test_exporting_onto_a_file_is_refused_and_the_file_kept(tmp_path):
     assert (tmp_path / "out").read_text() == "notes"
 
 
+SPEC = StrategySpec(name="tiny", factory="m:f", export_formats=("sglang",))
+
+
 class FailingStrategy:
     def export(self, model, out_dir, target):
         raise FormatError("the draft does not fit the layout")
@@ -105,11 +109,11 @@ class FailingStrategy:
 
 def test_export_model_removes_the_folder_it_created_when_the_strategy_fails(tmp_path, existing):
     with pytest.raises(FormatError, match="the draft does not fit the layout"):
-        export_model(FailingStrategy(), None, None, tmp_path / "new")
+        export_model(FailingStrategy(), None, None, tmp_path / "new", spec=SPEC)
     assert not (tmp_path / "new").exists()
     folder, files = existing
     with pytest.raises(FormatError, match="the draft does not fit the layout"):
-        export_model(FailingStrategy(), None, None, folder)
+        export_model(FailingStrategy(), None, None, folder, spec=SPEC)
     assert snapshot(folder) == files
 
 
@@ -120,8 +124,41 @@ class NaNConfigStrategy:
 
 def test_export_model_into_a_new_folder_that_the_writer_refuses_says_nothing_was_written(tmp_path):
     with pytest.raises(FormatError, match=rf"nothing was written to {re.escape(str(tmp_path / 'new'))}$"):
-        export_model(NaNConfigStrategy(), None, None, tmp_path / "new")
+        export_model(NaNConfigStrategy(), None, None, tmp_path / "new", spec=SPEC)
     assert not (tmp_path / "new").exists()
+
+
+class RecordingStrategy:
+    """Records the keyword arguments its export is called with; an older one accepts none."""
+
+    def __init__(self):
+        self.calls = []
+
+    def export(self, model, out_dir, target, *, fmt, dtype):
+        self.calls.append((fmt, dtype))
+        write_export_files(out_dir, {"w": torch.zeros(1)}, {}, error=FormatError)
+
+
+class OlderStrategy:
+    def export(self, model, out_dir, target):
+        write_export_files(out_dir, {"w": torch.zeros(1)}, {"old": True}, error=FormatError)
+
+
+def test_export_model_passes_the_format_and_dtype_to_strategies_that_take_them(tmp_path):
+    spec = StrategySpec(name="tiny", factory="m:f", export_formats=("sglang", "vllm"))
+    strategy = RecordingStrategy()
+    export_model(strategy, None, None, tmp_path / "a", spec=spec)
+    export_model(strategy, None, None, tmp_path / "b", spec=spec, fmt="vllm", dtype="float16")
+    assert strategy.calls == [("sglang", "bfloat16"), ("vllm", "float16")]
+    # an export method written before the keyword arguments existed still works
+    export_model(OlderStrategy(), None, None, tmp_path / "c", spec=spec)
+    assert json.loads((tmp_path / "c" / "config.json").read_text()) == {"old": True}
+
+
+def test_export_dtype_casts_floating_weights_and_keeps_integer_buffers():
+    state = export_state(Tiny(), "bfloat16")
+    assert state["proj.weight"].dtype == torch.bfloat16 and state["ids"].dtype == torch.int64
+    assert export_state(Tiny(), None)["proj.weight"].dtype == torch.float32
 
 
 # ---------------------------------------------------------------- reading

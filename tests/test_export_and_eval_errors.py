@@ -10,6 +10,7 @@ from specforge_core.errors import OptionError
 from specforge_core.export import ExportError, export_model, load_exported_draft, resolve_checkpoint
 from specforge_core.plugins import PluginManager
 from specforge_core.protocols import SpeculationResult
+from specforge_core.specs import StrategySpec
 from specforge_core.speculative import LosslessError, greedy_decode, measure_acceptance
 
 
@@ -24,14 +25,26 @@ def test_export_cli_on_a_folder_without_checkpoints_exits_1_with_the_reason(tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_export_format_is_refused(tmp_path):
-    with pytest.raises(ExportError, match="unknown export format 'onnx'; formats: sglang"):
-        export_model(object(), None, None, tmp_path, "onnx")
+def test_a_format_the_strategy_does_not_declare_is_refused_naming_the_ones_it_does(tmp_path):
+    spec = StrategySpec(name="domino", factory="m:f", export_formats=("sglang",))
+    with pytest.raises(ExportError, match=r"strategy 'domino' exports as sglang, not 'vllm'; pass --format sglang"):
+        export_model(object(), None, None, tmp_path / "out", spec=spec, fmt="vllm")
+    assert not (tmp_path / "out").exists()
 
 
-def test_a_strategy_without_export_is_refused(tmp_path):
-    with pytest.raises(ExportError, match="cannot export for serving"):
-        export_model(object(), None, None, tmp_path)
+def test_a_strategy_that_declares_no_format_is_refused(tmp_path):
+    spec = StrategySpec(name="research", factory="m:f")
+    with pytest.raises(ExportError, match=r"strategy 'research' declares no serving format \(its spec's "
+                                          r"export_formats is empty\), so it cannot be exported"):
+        export_model(object(), None, None, tmp_path / "out", spec=spec)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_export_dtype_is_refused(tmp_path):
+    spec = StrategySpec(name="eagle3", factory="m:f", export_formats=("sglang",))
+    with pytest.raises(ExportError, match="unknown export dtype 'int8'; choose one of bfloat16, float16, float32"):
+        export_model(object(), None, None, tmp_path / "out", spec=spec, dtype="int8")
+    assert not (tmp_path / "out").exists()
 
 
 def test_loading_a_draft_needs_its_config_and_strategy_name(tmp_path):
@@ -103,3 +116,45 @@ def test_the_reference_decode_stops_at_any_of_several_eos_ids(tiny_engine):
     # the third token as one of two stop ids ends the decode right after it
     stopped = greedy_decode(tiny_engine, prompt, plan, max_new_tokens=6, eos_token_id=[10**9, free[2]])
     assert stopped == free[:free.index(free[2]) + 1]
+
+
+class TargetAsItsOwnDraft:
+    """A lossless stand-in strategy: its 'speculation' is the target's greedy decode, one token per forward."""
+
+    def capture_plan(self, target):
+        from specforge_core.protocols import CapturePlan
+
+        return CapturePlan(layer_ids=(0,), last_hidden=False)
+
+    def speculate(self, model, session, prompt_ids, *, max_new_tokens, eos_token_id):
+        tokens = greedy_decode(self.engine, prompt_ids, self.capture_plan(None), max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_token_id)
+        return SpeculationResult(tokens=tokens, target_forwards=len(tokens), accept_lengths=[1] * len(tokens))
+
+
+def test_measure_acceptance_times_both_decodes_and_reports_their_ratio(tiny_engine):
+    strategy = TargetAsItsOwnDraft()
+    strategy.engine = tiny_engine
+    prompts = [tiny_engine.tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("hello", "count to 3")]
+    result = measure_acceptance(strategy, torch.nn.Identity(), tiny_engine, prompts, max_new_tokens=6, progress=False)
+    per_prompt = result["per_prompt"]
+    # one token per verification forward: the acceptance length of plain decoding
+    assert result["accept_len_real"] == result["tau_real"] == 1.0
+    assert result["generated_tokens"] == sum(p["tokens"] for p in per_prompt) == 12
+    greedy_s, speculative_s = sum(p["greedy_s"] for p in per_prompt), sum(p["speculative_s"] for p in per_prompt)
+    assert greedy_s > 0 and speculative_s > 0
+    assert result["greedy_tokens_per_s"] == pytest.approx(12 / greedy_s, rel=1e-4)
+    assert result["speculative_tokens_per_s"] == pytest.approx(12 / speculative_s, rel=1e-4)
+    assert result["speedup"] == pytest.approx(result["speculative_tokens_per_s"] / result["greedy_tokens_per_s"])
+    assert "not a serving engine's speedup on a GPU" in result["speedup_convention"]
+
+
+def test_eval_set_takes_only_strategy_and_target_engine_options(tmp_path):
+    proc = run_specforge("eval", "--draft", str(tmp_path), "--set", "train.lr=1", expect=2)
+    assert "`specforge eval --set` takes strategy.KEY=VALUE and target_engine.KEY=VALUE, not train.*" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_export_dtype_outside_the_choices_is_a_usage_error(tmp_path):
+    proc = run_specforge("export", str(tmp_path), "--dtype", "int8", "--output", str(tmp_path / "out"), expect=2)
+    assert "'int8' is not one of 'bfloat16', 'float16', 'float32'" in proc.stderr and not (tmp_path / "out").exists()

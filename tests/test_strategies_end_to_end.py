@@ -61,16 +61,47 @@ def test_online_run_exports_and_reports_simulated_and_real_acceptance(strategy, 
     assert summary["real_eval"]["identical_to_target_greedy"] is True
     assert "bonus token included" in summary["real_eval"]["convention"]
     assert "bonus token included" in summary["accept_len_convention"]
+    # the measured draft is the served one: the export, in bf16, read back as `specforge eval` reads it
+    assert summary["real_eval"]["draft"] == "the export in export/ (bfloat16)"
+    real = summary["real_eval"]
+    assert summary["speedup"] > 0 and real["greedy_tokens_per_s"] > 0 and real["speculative_tokens_per_s"] > 0
+    assert summary["speedup"] == pytest.approx(real["speculative_tokens_per_s"] / real["greedy_tokens_per_s"])
     config = json.loads((out / "export" / "config.json").read_text())
-    assert config["specforge_strategy"] == strategy
+    assert config["specforge_strategy"] == strategy and config["torch_dtype"] == "bfloat16"
     # export again from the run directory, then measure the export with `specforge eval`
     again = tmp_path / "again"
-    specforge("export", str(out), "--format", "sglang", "--output", str(again))
+    proc = specforge("export", str(out), "--format", "sglang", "--output", str(again))
+    assert f"of strategy {strategy} as sglang (bfloat16) to {again}" in proc.stdout
     assert (again / "model.safetensors").read_bytes() == (out / "export" / "model.safetensors").read_bytes()
     result = json.loads(specforge("eval", "--draft", str(again), "--target-model", str(tiny), "--num-prompts", "4",
                                   "--max-new-tokens", "16", "--json").stdout)
     assert result["identical_to_target_greedy"] is True and result["prompts"] == 4
     assert result["accept_len_real"] == pytest.approx(summary["accept_len_real"])
+    assert result["generated_tokens"] == real["generated_tokens"] and result["speedup"] > 0
+    check_other_formats(strategy, tiny, out, tmp_path, result["accept_len_real"])
+
+
+def evaluate(draft, tiny, *sets):
+    return json.loads(specforge("eval", "--draft", str(draft), "--target-model", str(tiny), "--num-prompts", "4",
+                                "--max-new-tokens", "16", "--json", *sets).stdout)
+
+
+def check_other_formats(strategy, tiny, out, tmp_path, accept_len):
+    """Every other format the strategy declares exports and measures the same; the rest are refused."""
+    from specforge_core.plugins import PluginManager
+
+    formats = PluginManager().load().get("strategy", strategy).export_formats
+    for fmt in ("vllm", "speculators"):
+        folder = tmp_path / fmt
+        if fmt not in formats:
+            proc = specforge("export", str(out), "--format", fmt, "--output", str(folder), expect=1)
+            assert f"strategy '{strategy}' exports as {', '.join(formats)}, not '{fmt}'" in proc.stderr
+            assert "Traceback" not in proc.stderr and not folder.exists()
+            continue
+        specforge("export", str(out), "--format", fmt, "--output", str(folder))
+        assert evaluate(folder, tiny)["accept_len_real"] == pytest.approx(accept_len), fmt
+    if strategy == "eagle3":  # eval rebuilds the strategy with the trained options, then --set on top
+        assert evaluate(out / "export", tiny, "--set", "strategy.spec_depth=1")["accept_len_real"] <= 2.0
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

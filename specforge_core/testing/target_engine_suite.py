@@ -12,7 +12,8 @@ What it pins: ``info()`` agrees with ``frozen_parts()``; the frozen parts never 
 gradients; ``capture`` returns unpadded per-sample features of the plan's shapes and
 dtypes, in tensors that own their memory and can feed a draft's autograd graph; a padded
 batch captures what each sample alone captures (bit for bit unless the engine sets
-``capture_atol``); a layer id outside the target is a clear error; and a verify session
+``capture_atol``); a layer id outside ``0..L-2`` (the ids a serving engine can capture,
+see :mod:`specforge_core.serving`) is a clear error; and a verify session
 driven in chunks, with rejected tokens truncated, matches one forward over the whole text.
 
 Samples are random token ids of 16 tokens or more: engines whose kernels switch algorithm
@@ -56,8 +57,9 @@ class TargetEngineConformance:
 
     @staticmethod
     def plan_for(info: TargetInfo, *, dtype: str | None = None) -> CapturePlan:
-        """Three distinct layers (first, middle, last) plus the last hidden state."""
-        layers = tuple(sorted({0, info.num_layers // 2, info.num_layers - 1}))
+        """Up to three distinct layers (first, middle, last servable: ``L-2``) plus the last hidden state."""
+        top = info.num_layers - 2
+        layers = tuple(sorted({0, top // 2, top}))
         dtype = dtype or info.dtype
         return CapturePlan(
             layer_ids=layers,
@@ -172,7 +174,18 @@ class TargetEngineConformance:
         with pytest.raises((SpecforgeError, ValueError)) as excinfo:
             engine.capture(self.samples_for(info)[:1], plan)
         message = str(excinfo.value)
-        assert str(bad) in message and f"0..{info.num_layers - 1}" in message, message
+        assert str(bad) in message and f"0..{info.num_layers - 2}" in message, message
+
+    def test_the_last_layers_output_is_refused_as_no_serving_engine_can_capture_it(self, engine: Any) -> None:
+        """Layer id i is the hidden state entering layer i+1 (what SGLang and vLLM record), so the
+        last layer's output, id L-1, is no layer's input: a draft trained on it could not be served."""
+        info = engine.info()
+        last = info.num_layers - 1
+        plan = CapturePlan(layer_ids=(last,), hidden_feature="aux_hidden")
+        with pytest.raises((SpecforgeError, ValueError)) as excinfo:
+            engine.capture(self.samples_for(info)[:1], plan)
+        message = str(excinfo.value)
+        assert str(last) in message and f"0..{info.num_layers - 2}" in message, message
 
     # -- verification sessions ------------------------------------------------------------------
 

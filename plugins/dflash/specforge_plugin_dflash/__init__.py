@@ -52,12 +52,13 @@ class DFlashOptions:
               "than a small target is pointless.", check=positive)
     target_layer_ids: list[int] | None = option(
         None, "Target layers whose outputs are concatenated into the draft context (layer id i = output of "
-              "decoder layer i). null = evenly spaced: n == 1 -> [L//2], else round(1 + i*(L-4)/(n-1)); on "
-              "targets too small for that formula (ids collide or leave [0, L-1]) the n ids are spread evenly "
-              "over [0, L-1] instead.", check=_layer_ids)
+              "decoder layer i = the hidden state entering layer i+1; at most L-2, since serving engines capture "
+              "layer inputs only). null = evenly spaced: n == 1 -> [L//2], else round(1 + i*(L-4)/(n-1)); on "
+              "targets too small for that formula (ids collide or leave [0, L-2]) the n ids are spread evenly "
+              "over [0, L-2] instead.", check=_layer_ids)
     num_target_layers: int = option(
-        5, "How many target layers feed the context (n), when target_layer_ids is null; capped at the "
-           "target's depth. (SGLang's config field of the same name is the target's depth; the export writes "
+        5, "How many target layers feed the context (n), when target_layer_ids is null; capped at L-1, the "
+           "number of layer ids a serving engine can capture. (SGLang's config field of the same name is the target's depth; the export writes "
            "that one.)", check=positive)
     block_size: int = option(16, "Tokens per drafted block: the anchor plus block_size-1 drafted tokens.",
                              check=_at_least_two)
@@ -96,6 +97,7 @@ def specforge_strategies():
             options=DFlashOptions,
             description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
             requires={"aux_hidden_states"},
+            export_formats=("sglang", "vllm", "speculators"),
             best_metric="accept_len_sim",
             best_mode="max",
             # SpecForge's DFlash recipes (e.g. Qwen2.5-0.5B and Qwen3-8B online: lr 6e-4, warmup_ratio 0.04).

@@ -14,6 +14,7 @@ import attrs
 
 from specforge_core.errors import OptionError
 from specforge_core.hfconfig import config_value, rope_theta
+from specforge_core.serving import check_servable_layer_ids, max_servable_layer_id
 
 
 class DFlashConfigError(OptionError):
@@ -24,28 +25,28 @@ def default_target_layer_ids(num_layers: int, n: int) -> list[int]:
     """``n`` distinct target layer ids (layer id i = output of decoder layer i) for a target of ``num_layers``.
 
     The DFlash formula (the one SGLang and the reference code use): ``n == 1 -> [L//2]``, else
-    ``round(1 + i*(L-4)/(n-1))``; e.g. L=36, n=5 -> [1, 9, 17, 25, 33]. On small targets it
-    collides or leaves ``[0, L-1]`` (L=4 gives [1, 1, 1, 1]), and then the ids are spread
-    evenly over ``[0, L-1]`` instead: ``floor(0.5 + i*(L-1)/(n-1))``, distinct because the
-    spacing is >= 1. ``n`` is capped at ``L``.
+    ``round(1 + i*(L-4)/(n-1))``; e.g. L=36, n=5 -> [1, 9, 17, 25, 33]. Every id stays within
+    ``0..L-2``, the ids a serving engine can capture (:mod:`specforge_core.serving`). On small
+    targets the formula collides or leaves that range (L=4 gives [1, 1, 1, 1]), and then the
+    ids are spread evenly over ``[0, L-2]`` instead: ``floor(0.5 + i*(L-2)/(n-1))``, distinct
+    because the spacing is >= 1. ``n`` is capped at ``L-1``, the number of servable ids.
     """
-    if num_layers < 1:
-        raise DFlashConfigError(f"the target has {num_layers} layers; DFlash needs at least one")
-    n = min(n, num_layers)
+    top = max_servable_layer_id(num_layers)
+    if top < 0:
+        raise DFlashConfigError(f"the target has {num_layers} layer(s); DFlash needs at least 2, since a serving "
+                                "engine cannot capture the last layer's output")
+    n = min(n, top + 1)
     if n == 1:
-        return [num_layers // 2]
+        return [min(num_layers // 2, top)]
     ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
-    if len(set(ids)) == n and all(0 <= i < num_layers for i in ids):
+    if len(set(ids)) == n and all(0 <= i <= top for i in ids):
         return ids
-    return [math.floor(0.5 + i * (num_layers - 1) / (n - 1)) for i in range(n)]
+    return [math.floor(0.5 + i * top / (n - 1)) for i in range(n)]
 
 
 def check_target_layer_ids(ids: list[int], num_layers: int) -> list[int]:
-    """``ids`` if they are distinct layer ids of a ``num_layers``-layer target, else a clear error."""
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise DFlashConfigError(f"option 'strategy.target_layer_ids' {bad} out of range: the target has "
-                                f"{num_layers} layers (ids 0..{num_layers - 1})")
+    """``ids`` if they are distinct layer ids a serving engine can capture from a ``num_layers``-layer target."""
+    check_servable_layer_ids(ids, num_layers, "option 'strategy.target_layer_ids'", error=DFlashConfigError)
     if len(set(ids)) != len(ids):
         raise DFlashConfigError(f"option 'strategy.target_layer_ids' repeats a layer id: {ids}")
     return list(ids)

@@ -21,6 +21,7 @@ from specforge_core.dtypes import torch_dtype
 from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
 from specforge_core.data.collate import pad_features
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo
+from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
 from . import DFlashOptions
 from .blocks import Blocks, block_attention_mask, build_blocks, draw_blocks, valid_anchor_mask
@@ -72,7 +73,7 @@ class DFlashStrategy:
     #: and adds that subclass's arguments in :meth:`model_kwargs`.
     model_class: type[DFlashBackbone] = DFlashBackbone
     #: Write / read back the SGLang export (:meth:`export`, :meth:`load_export`); a variant swaps in its own.
-    export_fn: Callable[[DFlashBackbone, str], Any] = staticmethod(export_dflash)
+    export_fn: Callable[..., Any] = staticmethod(export_dflash)
     load_fn: Callable[..., DFlashBackbone] = staticmethod(load_dflash)
 
     def __init__(self, options: DFlashOptions, context: BuildContext | None = None) -> None:
@@ -195,10 +196,11 @@ class DFlashStrategy:
         return {"tau_sim": pooled["accept_len"] - 1.0} if "accept_len" in pooled else {}
 
     # ------------------------------------------------------------------ serving
-    def export(self, model: DFlashBackbone, out_dir: str, target: TargetInfo | None = None) -> str:
-        """An SGLang ``DFlashDraftModel`` directory, written by :attr:`export_fn` (see
-        :mod:`specforge_plugin_dflash.export`)."""
-        return str(self.export_fn(model, out_dir))
+    def export(self, model: DFlashBackbone, out_dir: str, target: TargetInfo | None = None, *, fmt: str = "sglang",
+               dtype: str = DEFAULT_EXPORT_DTYPE) -> str:
+        """A ``DFlashDraftModel`` directory SGLang and vLLM serve (``fmt`` sglang or vllm: the same folder), or
+        vLLM's speculators layout, written by :attr:`export_fn` (see :mod:`specforge_plugin_dflash.export`)."""
+        return str(self.export_fn(model, out_dir, dtype=dtype, options=self.options, fmt=fmt, target=target))
 
     def load_export(self, path: str, target: TargetInfo | None, frozen_parts: Mapping[str, Any]) -> DFlashBackbone:
         """The draft back from an export (:attr:`load_fn`), over the target's frozen ``embed_tokens`` and ``lm_head``."""

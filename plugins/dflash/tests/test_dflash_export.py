@@ -44,7 +44,7 @@ def sglang_keys(layers):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_holds_exactly_the_sglang_dflash_keys_with_shapes_and_dtypes(tmp_path, dtype):
     strategy, info, _frozen, model = make(dtype)
-    strategy.export(model, str(tmp_path), info)
+    strategy.export(model, str(tmp_path), info, dtype=dtype)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     assert set(tensors) == sglang_keys(2)  # no embed_tokens, no lm_head
@@ -67,8 +67,11 @@ def test_export_config_is_what_sglang_dflash_reads(tmp_path):
     expected = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "head_dim": 8, "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
                 "max_position_embeddings": 512, "vocab_size": 97, "block_size": 16, "num_target_layers": 8,
-                "model_type": "qwen3", "hidden_act": "silu", "dtype": "float32"}
+                "model_type": "qwen3", "hidden_act": "silu", "dtype": "bfloat16", "torch_dtype": "bfloat16"}
     assert {k: config[k] for k in expected} == expected
+    # vLLM's runner reads the captured layers at the top level in its numbering (our id + 1)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6] and config["norm_before_residual"] is False
+    assert config["specforge_strategy_options"]["num_target_layers"] == 3
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
 
 
@@ -79,7 +82,7 @@ def test_reloaded_export_gives_identical_logits(tmp_path, dtype):
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.1)  # not the initial values
-    strategy.export(model, str(tmp_path), info)
+    strategy.export(model, str(tmp_path), info, dtype=dtype)
     reloaded = strategy.load_export(str(tmp_path), info, frozen)
     assert reloaded.config == model.config
     gen = torch.Generator().manual_seed(1)
@@ -156,7 +159,9 @@ def test_loading_against_another_target_names_both_sides(tmp_path, vocab, hidden
      "names architectures ['LlamaForCausalLMEagle3'], not ['DFlashDraftModel']: it is not a dflash draft"),
     (lambda c: c.update(head_dim=7), ("does not describe a valid dflash draft: head_dim must be even for rotary "
                                      "embeddings, got 7")),
-    (lambda c: c.update(dtype="float8"), "does not describe a valid dflash draft: unknown dtype 'float8'"),
+    (lambda c: c.update(torch_dtype="float8"), "does not describe a valid dflash draft: unknown dtype 'float8'"),
+    (lambda c: (c.pop("torch_dtype"), c.update(dtype="float8")),  # an older export names only `dtype`
+     "does not describe a valid dflash draft: unknown dtype 'float8'"),
     (lambda c: c.update(num_key_value_heads=0), ("does not describe a valid dflash draft: num_attention_heads (4) and "
                                                  "num_key_value_heads (0) must be at least 1")),
 ])
@@ -191,7 +196,7 @@ def test_a_failed_export_leaves_the_existing_export_intact(tmp_path):
     with pytest.raises(DFlashExportError, match=rf"^could not write the export to {re.escape(str(tmp_path))} "
                                                 r"\(RuntimeError: Some tensors share memory.*\); the folder was left as "
                                                 "it was$"):
-        strategy.export(model, str(tmp_path), info)
+        strategy.export(model, str(tmp_path), info, dtype="float32")  # the draft's own dtype: no copies
     assert snapshot(tmp_path) == before  # both files unchanged, no temporary left behind
     (tmp_path / "file").write_text("keep")
     with pytest.raises(DFlashExportError, match="it exists and is not a folder; choose another --output"):

@@ -25,16 +25,23 @@ def test_default_layer_ids_follow_the_dflash_formula_on_real_targets():
     assert default_target_layer_ids(6, 3) == [1, 2, 3]             # the formula still fits
 
 
-def test_default_layer_ids_are_distinct_and_in_range_on_small_targets():
-    assert default_target_layer_ids(4, 5) == [0, 1, 2, 3]  # the formula would give [1, 1, 1, 1]
-    assert default_target_layer_ids(5, 5) == [0, 1, 2, 3, 4]
-    assert default_target_layer_ids(2, 5) == [0, 1]
+def test_default_layer_ids_are_distinct_and_servable_on_small_targets():
+    # every id within 0..L-2: a serving engine captures layer inputs, so L-1 does not exist there
+    assert default_target_layer_ids(4, 5) == [0, 1, 2]  # the formula would give [1, 1, 1, 1]
+    assert default_target_layer_ids(5, 5) == [0, 1, 2, 3]
+    assert default_target_layer_ids(2, 5) == [0]
+    assert default_target_layer_ids(2, 1) == [0]  # L//2 = 1 would be the last layer
     assert default_target_layer_ids(3, 1) == [1]
-    for layers in range(1, 48):
+    for layers in range(2, 48):
         for n in range(1, 8):
             ids = default_target_layer_ids(layers, n)
-            assert len(ids) == min(n, layers) and len(set(ids)) == len(ids), (layers, n, ids)
-            assert all(0 <= i < layers for i in ids), (layers, n, ids)
+            assert len(ids) == min(n, layers - 1) and len(set(ids)) == len(ids), (layers, n, ids)
+            assert all(0 <= i <= layers - 2 for i in ids), (layers, n, ids)
+
+
+def test_a_one_layer_target_has_no_servable_layer_and_is_refused():
+    with pytest.raises(DFlashConfigError, match="at least 2, since a serving engine cannot capture the last layer"):
+        default_target_layer_ids(1, 5)
 
 
 @pytest.mark.parametrize("values, message", [
@@ -59,7 +66,16 @@ def test_options_parse_from_set_strings():
 
 def test_explicit_layer_ids_outside_the_target_are_refused_before_capture():
     strategy = DFlashStrategy(DFlashOptions(target_layer_ids=[0, 8]))
-    with pytest.raises(DFlashConfigError, match=r"\[8\] out of range: the target has 8 layers"):
+    with pytest.raises(DFlashConfigError, match=r"names layer\(s\) \[8\], but a draft for this 8-layer target can use "
+                                                r"ids 0\.\.6 only"):
+        strategy.capture_plan(target(layers=8))
+
+
+def test_the_last_layers_output_is_refused_saying_why_no_serving_engine_can_capture_it():
+    strategy = DFlashStrategy(DFlashOptions(target_layer_ids=[1, 7]))
+    with pytest.raises(DFlashConfigError, match=r"strategy\.target_layer_ids' \[1, 7\] names layer\(s\) \[7\].*ids "
+                                                r"0\.\.6 only: SGLang and vLLM capture the hidden state entering each "
+                                                r"decoder layer.*id L-1\) does not exist in a serving engine"):
         strategy.capture_plan(target(layers=8))
 
 

@@ -55,7 +55,8 @@ def specforge_strategies():
     # requirements (the target's hidden states) and the same best checkpoint metric (accept_len,
     # here the corrected head's).
     dflash = next(spec for spec in dflash_plugin.specforge_strategies() if spec.name == "dflash")
+    # Only SGLang with Domino support serves it (vLLM has no Domino runtime).
     return [attrs.evolve(dflash, name="domino", factory="specforge_plugin_domino.strategy:DominoStrategy",
-                         options=DominoOptions,
+                         options=DominoOptions, export_formats=("sglang",),
                          description="Domino: DFlash block drafting plus a GRU over the drafted prefix that "
                                      "corrects the logits.")]

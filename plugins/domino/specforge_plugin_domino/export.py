@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from specforge_core.export import CONFIG_FILE, ExportConfig
+from specforge_core.export import CONFIG_FILE, ExportConfig, check_format
 
 from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.export import DFlashExportError, dflash_hf_config, load_backbone, write_export
@@ -43,15 +43,36 @@ class DominoExportError(DFlashExportError, DominoConfigError):
     """
 
 
-def domino_hf_config(model: DominoBackbone) -> dict[str, Any]:
+def domino_hf_config(model: DominoBackbone, *, dtype: str | None = None, options: Any = None) -> dict[str, Any]:
     """``config.json`` of ``model``: DFlash's, with the head's fields merged into ``dflash_config``."""
     head = model.head_config
-    return dflash_hf_config(model, STRATEGY, {"dflash_config": head.to_dflash_config(), "emb_dim": head.emb_dim})
+    return dflash_hf_config(model, STRATEGY, {"dflash_config": head.to_dflash_config(), "emb_dim": head.emb_dim},
+                            dtype=dtype, options=options)
 
 
-def export_domino(model: DominoBackbone, out_dir: str | os.PathLike[str]) -> Path:
-    """The ``domino`` export of ``model`` (every trainable tensor: the backbone's and the head's)."""
-    return write_export(model, out_dir, domino_hf_config(model), error=DominoExportError)
+#: What SGLang's Domino runtime serves: bf16 weights (it refuses others at start-up) and a pure prefix of 1.
+SERVED_DTYPE, SERVED_PURE_PREFIX = "bfloat16", 1
+
+
+def export_domino(model: DominoBackbone, out_dir: str | os.PathLike[str], *, dtype: str | None = SERVED_DTYPE,
+                  options: Any = None, fmt: str = "sglang", target: Any = None) -> Path:
+    """The ``domino`` export of ``model`` (every trainable tensor: the backbone's and the head's).
+
+    Refused, before anything is written, for what SGLang's Domino runtime cannot serve: weights
+    other than bf16 (it checks the projector's and the target's dtype), and a head trained with
+    ``pure_draft_prefix_len`` other than 1. SGLang is the only engine with Domino support.
+    """
+    check_format(fmt, ("sglang",), STRATEGY, error=DominoExportError)
+    if dtype != SERVED_DTYPE:
+        raise DominoExportError(f"SGLang's Domino runtime requires {SERVED_DTYPE} projector weights (and a "
+                                f"{SERVED_DTYPE} target); export with --dtype {SERVED_DTYPE}, not {dtype}")
+    prefix = model.head_config.pure_draft_prefix_len
+    if prefix != SERVED_PURE_PREFIX:
+        raise DominoExportError(f"SGLang's Domino runtime serves pure_draft_prefix_len {SERVED_PURE_PREFIX} only; this "
+                                f"draft was trained with {prefix}, so it cannot be served; train with "
+                                f"strategy.pure_draft_prefix_len={SERVED_PURE_PREFIX} for a draft SGLang serves")
+    return write_export(model, out_dir, domino_hf_config(model, dtype=dtype, options=options),
+                        error=DominoExportError)
 
 
 def head_from_hf(raw: Mapping[str, Any], source: Path) -> DominoHeadConfig:

@@ -19,5 +19,5 @@ class TestDominoConformance(StrategyConformance):
 class TestDominoConformanceDFlashLabelsEagerBf16(StrategyConformance):
     def make_strategy(self):
         return DominoStrategy(DominoOptions(block_size=4, num_anchors=2, attention="eager", dtype="bfloat16",
-                                            num_layers=1, shift_label=False, pure_draft_prefix_len=0, emb_dim=8,
+                                            num_layers=1, shift_label=False, pure_draft_prefix_len=1, emb_dim=8,
                                             gru_hidden_dim=12), BuildContext())

@@ -42,30 +42,35 @@ def test_export_holds_exactly_the_dflash_keys_plus_the_head_keys(tmp_path, rando
         "prefix_gru.weight_ih_l0": (72, 32), "prefix_gru.weight_hh_l0": (72, 24),
         "embed_proj.0.weight": (16, 56), "embed_proj.2.weight": (97, 16)}
     assert tuple(tensors["fc.weight"].shape) == (32, 96)
-    assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
+    # whatever the training dtype: SGLang's Domino runtime serves bf16 projector weights only
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
 def test_export_config_is_dflashs_with_the_domino_projector(tmp_path, make_draft):
-    strategy, model = make_draft(gru_hidden_dim=24, emb_dim=16, shift_label=False, pure_draft_prefix_len=0)
+    strategy, model = make_draft(gru_hidden_dim=24, emb_dim=16, shift_label=False, pure_draft_prefix_len=1)
     strategy.export(model, str(tmp_path))
     _tensors, config = read(tmp_path)
     assert config["architectures"] == ["DFlashDraftModel"] and config["specforge_strategy"] == "domino"
     assert config["dflash_config"] == {"block_size": 4, "mask_token_id": 96, "target_layer_ids": [1, 3, 5],
                                        "num_target_layers": 8, "projector_type": "domino", "emb_dim": 16,
-                                       "gru_hidden_dim": 24, "pure_draft_prefix_len": 0, "shift_label": False}
-    assert config["emb_dim"] == 16  # repeated at the top level, as the reference checkpoints do
-    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["dtype"]) == (
-        32, 2, 97, "float32")
+                                       "gru_hidden_dim": 24, "pure_draft_prefix_len": 1, "shift_label": False}
+    assert config["emb_dim"] == 16  # repeated at the top level: one SGLang version reads it only there
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["dtype"],
+            config["torch_dtype"]) == (32, 2, 97, "bfloat16", "bfloat16")
 
 
 @pytest.mark.parametrize("dtype, shift_label", [("float32", True), ("bfloat16", False)])
 def test_reloaded_export_gives_identical_final_logits(tmp_path, random_target, make_draft, dtype, shift_label):
     info, frozen = random_target()
-    strategy, model = make_draft(info, frozen, dtype=dtype, shift_label=shift_label, pure_draft_prefix_len=0)
+    strategy, model = make_draft(info, frozen, dtype=dtype, shift_label=shift_label)
     strategy.export(model, str(tmp_path))
     # A strategy with default options: the head's shape and alignment come from config.json.
     reloaded = DominoStrategy(DominoOptions(), BuildContext()).load_export(str(tmp_path), info, frozen)
     assert reloaded.config == model.config and reloaded.head_config == model.head_config
+    with torch.no_grad():  # the draft as served: its trainable weights rounded to the export's bf16
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.bfloat16()
     gen = torch.Generator().manual_seed(1)
     feats = torch.randn(1, 12, 96, generator=gen)
     ids = torch.randint(0, 97, (1, 8), generator=gen)
@@ -144,7 +149,7 @@ def test_a_damaged_head_config_names_the_file_field_and_expected_form(tmp_path, 
 
 
 def test_a_failed_export_leaves_the_existing_export_intact(tmp_path, make_draft):
-    strategy, model = make_draft()
+    strategy, model = make_draft(dtype="bfloat16")  # the export dtype itself: no copies made
     strategy.export(model, str(tmp_path))
     before = snapshot(tmp_path)
     model.norm.weight = model.hidden_norm.weight  # tied weights: safetensors refuses tensors sharing memory
@@ -153,3 +158,30 @@ def test_a_failed_export_leaves_the_existing_export_intact(tmp_path, make_draft)
                                                 "it was$"):
         strategy.export(model, str(tmp_path))
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_an_export_sglang_cannot_serve_in_another_dtype_is_refused_before_anything_is_written(tmp_path, make_draft,
+                                                                                             dtype):
+    strategy, model = make_draft()
+    with pytest.raises(DominoExportError, match=rf"^SGLang's Domino runtime requires bfloat16 projector weights \(and "
+                                                rf"a bfloat16 target\); export with --dtype bfloat16, not {dtype}$"):
+        strategy.export(model, str(tmp_path / "out"), dtype=dtype)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_head_with_another_pure_prefix_than_sglang_serves_is_refused_for_export(tmp_path, make_draft):
+    strategy, model = make_draft(pure_draft_prefix_len=0)
+    with pytest.raises(DominoExportError, match=r"^SGLang's Domino runtime serves pure_draft_prefix_len 1 only; this "
+                                                r"draft was trained with 0, so it cannot be served; train with "
+                                                r"strategy.pure_draft_prefix_len=1"):
+        strategy.export(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_domino_exports_for_sglang_only(tmp_path, make_draft, fmt):
+    strategy, model = make_draft()
+    with pytest.raises(DominoExportError, match=rf"strategy 'domino' exports as sglang, not '{fmt}'"):
+        strategy.export(model, str(tmp_path / "out"), fmt=fmt)
+    assert not (tmp_path / "out").exists()

@@ -22,8 +22,9 @@ def specforge_strategies():
             factory="specforge_plugin_eagle3.strategy:Eagle3Strategy",
             options=Eagle3Options,
             description="EAGLE3: one decoder layer over three fused target layers, trained with a "
-                        "test-time-training unroll; exports SGLang's LlamaForCausalLMEagle3.",
+                        "test-time-training unroll; exports a LlamaForCausalLMEagle3 folder SGLang and vLLM serve.",
             requires={"aux_hidden_states", "last_hidden"},
+            export_formats=("sglang", "vllm", "speculators"),
             best_metric="accept_len_sim",
             best_mode="max",
             # SpecForge's EAGLE3 recipes (lr 1e-4; warmup_ratio 0.015, its schema default).

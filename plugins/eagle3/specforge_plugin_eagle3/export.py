@@ -1,14 +1,25 @@
-"""Export to (and load from) the directory SGLang serves with ``--speculative-algorithm EAGLE3``.
+"""Export to (and load from) the directory SGLang and vLLM serve as an EAGLE3 draft.
 
-    model.safetensors   the keys of :data:`EXPORT_KEYS` (no embedding: SGLang shares the
-                        target's), in the draft's dtype; d2t int64, t2d bool
+Format ``sglang`` (``vllm`` writes the same folder)::
+
+    model.safetensors   the keys of :data:`EXPORT_KEYS` (no embedding: the engines share the
+                        target's), floating-point weights in the export dtype; d2t int64, t2d bool
     config.json         architectures ["LlamaForCausalLMEagle3"], Llama fields, draft_vocab_size,
-                        eagle_config.eagle_aux_hidden_state_layer_ids, specforge_strategy "eagle3"
+                        torch_dtype and dtype, eagle_config.eagle_aux_hidden_state_layer_ids (our
+                        numbering), eagle_aux_hidden_state_layer_ids (vLLM's, our id + 1),
+                        norm_before_residual false, specforge_strategy "eagle3" and its options
 
 SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` with our convention (id i =
 output of decoder layer i; it adds 1 to index its own layer inputs), so the target captures
-exactly the layers the draft was trained on. ``tie_word_embeddings`` must be false: SGLang
-would otherwise use the embedding as the draft's lm_head.
+exactly the layers the draft was trained on; vLLM reads the top-level field in its own
+numbering, and no SGLang version takes layers from it. ``tie_word_embeddings`` must be false:
+SGLang would otherwise use the embedding as the draft's lm_head.
+
+Format ``speculators`` (vLLM's speculators layout, :func:`to_speculators`): the Llama fields
+under ``transformer_layer_config``, a ``speculators_config`` naming the algorithm, the
+proposal length and the verifier, the aux layer ids in vLLM's numbering at the top level,
+and the decoder layer's tensors under ``layers.0.`` instead of ``midlayer.``. :func:`load_draft`
+reads both layouts.
 """
 
 from __future__ import annotations
@@ -26,22 +37,30 @@ from specforge_core.export import (
     ExportConfig,
     ExportError,
     check_keys,
+    SPECULATORS_TYPE,
+    check_format,
     export_state,
     load_checked_state,
+    speculators_config,
+    speculators_type,
+    strategy_fields,
     load_weights,
     open_export,
     write_export_files,
 )
 from specforge_core.hfconfig import rope_theta
+from specforge_core.serving import DEFAULT_EXPORT_DTYPE, check_servable_layer_ids, engine_layer_ids
 from specforge_core.protocols import TargetInfo
 
 from .model import Eagle3Config, Eagle3Draft
-from .options import default_aux_layer_ids
+from .options import Eagle3Options, default_aux_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 STRATEGY = "eagle3"
 WHAT = "an EAGLE3 draft"
 LAYOUT = "the SGLang EAGLE3 layout"
+#: The formats :func:`export_draft` writes (``sglang`` and ``vllm`` are one folder).
+FORMATS = ("sglang", "vllm", "speculators")
 
 #: Every tensor of an export, named as SGLang's LlamaForCausalLMEagle3.load_weights expects.
 EXPORT_KEYS = (
@@ -91,7 +110,12 @@ def hf_config(config: Eagle3Config, target: TargetInfo | None = None) -> dict[st
         "mlp_bias": False,
         "torch_dtype": config.dtype,
         "dtype": config.dtype,
+        # SGLang reads our numbering here (and adds 1 itself) ...
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "use_aux_hidden_state": True},
+        # ... vLLM reads its own, the captured layer's index (our id + 1), at the top level; and
+        # our draft keeps the residual un-normed (vLLM's speculators default would norm it first).
+        "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config.aux_layer_ids),
+        "norm_before_residual": False,
         "specforge_strategy": STRATEGY,
     }
     if target is not None:
@@ -145,24 +169,98 @@ def config_from_hf(data: ExportConfig, target: TargetInfo) -> Eagle3Config:
     return config
 
 
-def export_draft(model: Eagle3Draft, out_dir: str | os.PathLike[str], target: TargetInfo | None = None) -> Path:
-    """Write ``model`` as an SGLang EAGLE3 draft directory; returns the directory.
+def export_draft(model: Eagle3Draft, out_dir: str | os.PathLike[str], target: TargetInfo | None = None, *,
+                 dtype: str | None = DEFAULT_EXPORT_DTYPE, options: Any = None, fmt: str = "sglang") -> Path:
+    """Write ``model`` as an EAGLE3 draft directory in format ``fmt`` (see the module doc); returns it.
 
-    The state is checked against :data:`EXPORT_KEYS` before anything is written, so a draft
-    that does not fit SGLang's layout never replaces an earlier export.
+    Floating-point weights are written in ``dtype`` (None: the draft's own), the dtype named
+    in config.json; ``options`` (the strategy's) are recorded for `specforge eval`. The state
+    is checked against :data:`EXPORT_KEYS` before anything is written, so a draft that does
+    not fit the layout never replaces an earlier export.
     """
-    state = export_state(model)
+    check_format(fmt, FORMATS, STRATEGY, error=Eagle3ExportError)
+    if target is not None:
+        check_servable_layer_ids(model.config.aux_layer_ids, target.num_layers, "the draft's aux layer ids",
+                                 error=Eagle3ExportError)
+    state = export_state(model, dtype)
     check_keys(state, EXPORT_KEYS, "the draft's state", LAYOUT, error=Eagle3ExportError)
     config = hf_config(model.config, target)
     config["torch_dtype"] = config["dtype"] = dtype_name(state["fc.weight"].dtype)
-    return write_export_files(out_dir, {k: state[k] for k in EXPORT_KEYS}, config, error=Eagle3ExportError)
+    config.update(strategy_fields(STRATEGY, options))
+    tensors = {k: state[k] for k in EXPORT_KEYS}
+    if fmt == "speculators":
+        depth = (getattr(options, "spec_depth", None) or getattr(options, "ttt_length", None)
+                 or Eagle3Options().ttt_length)
+        config, tensors = to_speculators(config, tensors, depth, target)
+    return write_export_files(out_dir, tensors, config, error=Eagle3ExportError)
+
+
+#: The Llama fields of a native config.json that go under speculators' ``transformer_layer_config``.
+LAYER_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "num_hidden_layers", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
+                "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
+                "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+#: speculators' EAGLE3 variants this draft does not build (each off in ours).
+VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+
+
+def to_speculators(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], speculative_tokens: int,
+                   target: TargetInfo | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A native export's ``(config, tensors)`` in vLLM's speculators layout (what the speculators library writes).
+
+    ``d2t`` / ``t2d`` are kept only when the draft vocabulary is pruned, as speculators does.
+    """
+    out = {key: value for key, value in config.items() if key.startswith("specforge_")}
+    out.update({
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        SPECULATORS_TYPE: STRATEGY,
+        "speculators_config": speculators_config(STRATEGY, speculative_tokens, target),
+        "transformer_layer_config": {key: config[key] for key in LAYER_FIELDS if key in config},
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": list(config["eagle_aux_hidden_state_layer_ids"]),
+        **{flag: False for flag in VARIANT_FLAGS},
+        "torch_dtype": config["torch_dtype"], "dtype": config["dtype"],
+    })
+    pruned = config["draft_vocab_size"] != config["vocab_size"]
+    renamed = {key.replace("midlayer.", "layers.0.", 1): tensor for key, tensor in tensors.items()
+               if pruned or key not in ("d2t", "t2d")}
+    return out, renamed
+
+
+def from_speculators(data: ExportConfig) -> ExportConfig:
+    """A speculators-layout config.json as the native one :func:`config_from_hf` reads (ids in our numbering)."""
+    if data.get(SPECULATORS_TYPE) != STRATEGY:
+        raise data.fail(f"is a speculators {data.get(SPECULATORS_TYPE)!r} draft, not an eagle3 one")
+    layer = data.value("transformer_layer_config", dict)
+    on = [flag for flag in VARIANT_FLAGS if data.value(flag, bool, False)]
+    if on:
+        raise data.fail(f"sets {', '.join(on)}: an EAGLE3 variant the eagle3 strategy does not build")
+    native: dict[str, Any] = {**layer, **{k: v for k, v in data.data.items() if k.startswith("specforge_")}}
+    native["architectures"] = [ARCHITECTURE]
+    for key in ("draft_vocab_size", "target_hidden_size", "torch_dtype", "dtype"):
+        if data.get(key) is not None:
+            native[key] = data.get(key)
+    engine_ids = data.ints("eagle_aux_hidden_state_layer_ids", None)
+    if engine_ids:  # vLLM's numbering (the captured layer's index): ours is one less
+        native["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in engine_ids]}
+    return attrs.evolve(data, data=native)
+
+
+def native_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A speculators-layout checkpoint's tensors under the native names (``layers.0.`` -> ``midlayer.``)."""
+    return {key.replace("layers.0.", "midlayer.", 1): tensor for key, tensor in tensors.items()}
 
 
 def load_draft(path: str | os.PathLike[str], target: TargetInfo, frozen_parts: Mapping[str, Any]) -> Eagle3Draft:
-    """Rebuild the draft from an export directory and the target's frozen parts."""
+    """Rebuild the draft from an export directory (either layout) and the target's frozen parts."""
     data = open_export(path, what=WHAT, error=Eagle3ExportError)
-    config = config_from_hf(data, target)
+    speculators = speculators_type(data.data) is not None
+    config = config_from_hf(from_speculators(data) if speculators else data, target)
     state = load_weights(path, error=Eagle3ExportError)
+    if speculators:
+        state = native_tensors(state)
     source = str(Path(path) / WEIGHTS_FILE)
     if "fc.weight" in state:  # the weights' own dtype wins over what the config says
         config = attrs.evolve(config, dtype=dtype_name(state["fc.weight"].dtype))

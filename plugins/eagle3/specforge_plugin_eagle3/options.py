@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from specforge_core.errors import OptionError
+from specforge_core.serving import check_servable_layer_ids
 from specforge_core.options import option, positive
 
 #: EAGLE3 fuses exactly three target layers (low, middle, high); SGLang's draft ``fc``
@@ -51,8 +52,10 @@ class Eagle3Options:
         0.99, "With draft_vocab_size None: the share of the training data's supervised tokens the draft "
               "vocabulary must cover.", check=lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]")
     aux_layer_ids: tuple[int, ...] | None = option(
-        None, "The three target layers fused by fc (layer id i = output of decoder layer i). None = "
-              "[1, L//2-1, L-4] for targets with L >= 8 layers, [0, L//2, L-1] for 3 <= L < 8.",
+        None, "The three target layers fused by fc (layer id i = output of decoder layer i = the hidden state "
+              "entering layer i+1, the serving engines' convention; at most L-2, since SGLang and vLLM capture "
+              "layer inputs only). None = [1, L//2-1, L-4] for targets with L >= 8 layers, [0, L//2-1, L-2] for "
+              "4 <= L < 8.",
         check=_check_aux_layer_ids)
     loss_decay: float = option(0.8, "Geometric weight of the unroll steps: the loss is sum_k loss_decay^k * ploss_k.",
                                check=_check_decay)
@@ -71,19 +74,21 @@ class Eagle3Options:
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """The ALGORITHMS.md default ``[1, L//2-1, L-4]``; small targets get ``[0, L//2, L-1]``.
+    """The ALGORITHMS.md default ``[1, L//2-1, L-4]``; small targets get ``[0, L//2-1, L-2]``.
 
     Below 8 layers the default ids collide (L=6 gives [1, 2, 2]) or leave the range, so
-    small targets take the first, middle and last layer instead, which are distinct for
-    any L >= 3.
+    small targets take the first layer, the middle one and the last one a serving engine can
+    capture (``L-2``: see :mod:`specforge_core.serving`), which are
+    distinct for any L >= 4.
     """
-    if num_layers < NUM_AUX_LAYERS:
+    if num_layers < NUM_AUX_LAYERS + 1:
         raise OptionError(
-            f"EAGLE3 fuses {NUM_AUX_LAYERS} distinct target layers, but the target has only {num_layers} "
-            f"decoder layer(s); use a target with at least {NUM_AUX_LAYERS} layers"
+            f"EAGLE3 fuses {NUM_AUX_LAYERS} distinct target layers among the ids a serving engine can capture "
+            f"(0..L-2), but the target has only {num_layers} decoder layer(s); use a target with at least "
+            f"{NUM_AUX_LAYERS + 1} layers"
         )
     if num_layers < 8:
-        return (0, num_layers // 2, num_layers - 1)
+        return (0, num_layers // 2 - 1, num_layers - 2)
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
@@ -95,12 +100,7 @@ def resolve_aux_layer_ids(options: Eagle3Options, num_layers: int) -> tuple[int,
     problem = _check_aux_layer_ids(ids)
     if problem:
         raise OptionError(f"option 'strategy.aux_layer_ids' {problem}; got {list(ids)}")
-    out_of_range = [i for i in ids if i >= num_layers]
-    if out_of_range:
-        raise OptionError(
-            f"option 'strategy.aux_layer_ids' {list(ids)} names layer(s) {out_of_range}, but the target has "
-            f"{num_layers} decoder layers (valid ids 0..{num_layers - 1})"
-        )
+    check_servable_layer_ids(ids, num_layers, "strategy.aux_layer_ids")
     return ids
 
 

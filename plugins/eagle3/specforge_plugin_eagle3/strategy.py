@@ -18,6 +18,7 @@ from specforge_core.data.collate import CollateError, pad_features
 from specforge_core.errors import SpecforgeError
 from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo, VerifySession
+from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
 from .export import export_draft, load_draft
 from .loss import align, simulated_acceptance, tau_sim, teacher, ttt_loss
@@ -138,9 +139,11 @@ class Eagle3Strategy:
         return {"tau_sim": tau_sim(pooled)}
 
     # ------------------------------------------------------------------ serving
-    def export(self, model: Eagle3Draft, out_dir: str | os.PathLike[str], target: TargetInfo | None = None) -> Any:
-        """Write an SGLang ``LlamaForCausalLMEagle3`` directory (see :mod:`.export`)."""
-        return export_draft(model, out_dir, target)
+    def export(self, model: Eagle3Draft, out_dir: str | os.PathLike[str], target: TargetInfo | None = None, *,
+               fmt: str = "sglang", dtype: str = DEFAULT_EXPORT_DTYPE) -> Any:
+        """Write a ``LlamaForCausalLMEagle3`` directory SGLang and vLLM serve (``fmt`` sglang or vllm: the
+        same folder) or vLLM's speculators layout (``fmt`` speculators); see :mod:`.export`."""
+        return export_draft(model, out_dir, target, dtype=dtype, options=self.options, fmt=fmt)
 
     def load_export(self, path: str | os.PathLike[str], target: TargetInfo,
                     frozen_parts: Mapping[str, Any]) -> Eagle3Draft:

@@ -50,25 +50,25 @@ def batch(strategy, info):
 
 
 def test_export_writes_exactly_the_sglang_keys_shapes_and_dtypes(tmp_path):
-    strategy, info, _frozen, model = build()
+    strategy, info, _frozen, model = build()  # trained in float32, exported by default in bfloat16
     strategy.export(model, tmp_path, info)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         got = {k: (tuple(f.get_tensor(k).shape), f.get_tensor(k).dtype) for k in f.keys()}
-    f32 = torch.float32
+    bf16 = torch.bfloat16
     assert got == {
-        "fc.weight": ((H, 3 * H), f32),
-        "midlayer.input_layernorm.weight": ((H,), f32),
-        "midlayer.hidden_norm.weight": ((H,), f32),
-        "midlayer.self_attn.q_proj.weight": ((4 * 8, 2 * H), f32),
-        "midlayer.self_attn.k_proj.weight": ((2 * 8, 2 * H), f32),
-        "midlayer.self_attn.v_proj.weight": ((2 * 8, 2 * H), f32),
-        "midlayer.self_attn.o_proj.weight": ((H, 4 * 8), f32),
-        "midlayer.post_attention_layernorm.weight": ((H,), f32),
-        "midlayer.mlp.gate_proj.weight": ((48, H), f32),
-        "midlayer.mlp.up_proj.weight": ((48, H), f32),
-        "midlayer.mlp.down_proj.weight": ((H, 48), f32),
-        "norm.weight": ((H,), f32),
-        "lm_head.weight": ((VD, H), f32),
+        "fc.weight": ((H, 3 * H), bf16),
+        "midlayer.input_layernorm.weight": ((H,), bf16),
+        "midlayer.hidden_norm.weight": ((H,), bf16),
+        "midlayer.self_attn.q_proj.weight": ((4 * 8, 2 * H), bf16),
+        "midlayer.self_attn.k_proj.weight": ((2 * 8, 2 * H), bf16),
+        "midlayer.self_attn.v_proj.weight": ((2 * 8, 2 * H), bf16),
+        "midlayer.self_attn.o_proj.weight": ((H, 4 * 8), bf16),
+        "midlayer.post_attention_layernorm.weight": ((H,), bf16),
+        "midlayer.mlp.gate_proj.weight": ((48, H), bf16),
+        "midlayer.mlp.up_proj.weight": ((48, H), bf16),
+        "midlayer.mlp.down_proj.weight": ((H, 48), bf16),
+        "norm.weight": ((H,), bf16),
+        "lm_head.weight": ((VD, H), bf16),
         "d2t": ((VD,), torch.int64),
         "t2d": ((V,), torch.bool),
     }
@@ -88,12 +88,15 @@ def test_export_config_is_a_llama_eagle3_config_sglang_reads(tmp_path):
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 1,
                 "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None,
                 "max_position_embeddings": 128, "vocab_size": V, "draft_vocab_size": VD,
-                "tie_word_embeddings": False, "torch_dtype": "float32", "dtype": "float32",
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "dtype": "bfloat16",
                 "specforge_strategy": "eagle3", "eos_token_id": 1, "bos_token_id": 2}
     assert {k: config[k] for k in expected} == expected
     assert "pad_token_id" not in config  # None in the target: left out rather than written as null
     # SGLang adds 1 to these to index its layer inputs: they are output-of-layer ids, as captured
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    # vLLM reads its own numbering at the top level, and would norm the residual first without the flag
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and config["norm_before_residual"] is False
+    assert config["specforge_strategy_options"]["ttt_length"] == 3
 
 
 def test_export_config_parses_as_a_transformers_llama_config(tmp_path):
@@ -109,7 +112,7 @@ def test_export_config_parses_as_a_transformers_llama_config(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reloaded_export_has_identical_weights_and_logits(tmp_path, dtype):
     strategy, info, frozen, model = build(dtype)
-    strategy.export(model, tmp_path, info)
+    strategy.export(model, tmp_path, info, dtype=dtype)
     reloaded = strategy.load_export(tmp_path, info, frozen)
     a, b = model.state_dict(), reloaded.state_dict()
     assert list(a) == list(b)
@@ -217,9 +220,9 @@ def test_a_config_with_an_ill_formed_field_names_the_file_field_and_expected_for
 def test_weights_that_do_not_fit_the_config_name_the_tensor_and_both_shapes(tmp_path):
     _config_file, strategy, info, frozen = _export_with_config(tmp_path, lambda c: c.update(intermediate_size=64))
     weights = re.escape(str(tmp_path / "model.safetensors"))
-    with pytest.raises(Eagle3ExportError, match=rf"^{weights}: midlayer.mlp.gate_proj.weight is torch.float32 "
-                                                r"\(48, 32\), the draft its config.json describes expects torch.float32 "
-                                                r"\(64, 32\)$"):
+    with pytest.raises(Eagle3ExportError, match=rf"^{weights}: midlayer.mlp.gate_proj.weight is torch.bfloat16 "
+                                                r"\(48, 32\), the draft its config.json describes expects "
+                                                r"torch.bfloat16 \(64, 32\)$"):
         strategy.load_export(tmp_path, info, frozen)
 
 

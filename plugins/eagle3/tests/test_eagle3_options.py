@@ -33,18 +33,21 @@ def test_default_aux_layers_for_targets_with_at_least_8_layers_are_low_middle_hi
     assert default_aux_layer_ids(num_layers) == (1, num_layers // 2 - 1, num_layers - 4)
 
 
-@pytest.mark.parametrize("num_layers", range(3, 9))
-def test_default_aux_layers_of_small_targets_are_distinct_and_in_range(num_layers):
+@pytest.mark.parametrize("num_layers", range(4, 9))
+def test_default_aux_layers_of_small_targets_are_distinct_and_servable(num_layers):
     ids = default_aux_layer_ids(num_layers)
-    assert len(set(ids)) == 3 and all(0 <= i < num_layers for i in ids)
+    # at most L-2: serving engines capture layer inputs, so the last layer's output does not exist there
+    assert len(set(ids)) == 3 and all(0 <= i <= num_layers - 2 for i in ids)
     assert list(ids) == sorted(ids)
     if num_layers < 8:
-        assert ids == (0, num_layers // 2, num_layers - 1)
+        assert ids == (0, num_layers // 2 - 1, num_layers - 2)
+    assert default_aux_layer_ids(4) == (0, 1, 2)  # the toy target
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_a_target_with_fewer_than_three_layers_is_refused_with_a_reason(num_layers):
-    with pytest.raises(OptionError, match=f"3 distinct target layers.*only {num_layers} decoder layer"):
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_a_target_with_fewer_than_four_layers_is_refused_with_a_reason(num_layers):
+    with pytest.raises(OptionError, match=f"3 distinct target layers among the ids a serving engine can capture "
+                                          rf"\(0\.\.L-2\), but the target has only {num_layers} decoder layer"):
         default_aux_layer_ids(num_layers)
 
 
@@ -58,9 +61,9 @@ def test_capture_plan_uses_the_default_layers_and_declares_the_features():
 
 
 def test_explicit_aux_layers_from_the_command_line_are_used():
-    plan = strategy(aux_layer_ids=parse_set_value("[0, 2, 3]")).capture_plan(target(4))
-    assert plan.layer_ids == (0, 2, 3)
-    assert strategy(aux_layer_ids="2,0,3").capture_plan(target(4)).layer_ids == (2, 0, 3)
+    plan = strategy(aux_layer_ids=parse_set_value("[0, 2, 4]")).capture_plan(target(6))
+    assert plan.layer_ids == (0, 2, 4)
+    assert strategy(aux_layer_ids="2,0,4").capture_plan(target(6)).layer_ids == (2, 0, 4)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -75,8 +78,16 @@ def test_malformed_aux_layers_are_rejected_when_options_are_read(value, message)
 
 
 def test_aux_layers_beyond_the_target_are_rejected_naming_the_valid_range():
-    with pytest.raises(OptionError, match=r"names layer\(s\) \[4\].*4 decoder layers \(valid ids 0\.\.3\)"):
+    with pytest.raises(OptionError, match=r"names layer\(s\) \[4\], but a draft for this 4-layer target can use ids "
+                                          r"0\.\.2 only"):
         strategy(aux_layer_ids=[0, 2, 4]).capture_plan(target(4))
+
+
+def test_an_explicit_last_layer_is_refused_saying_why_no_serving_engine_can_capture_it():
+    with pytest.raises(OptionError, match=r"strategy\.aux_layer_ids \[0, 2, 5\] names layer\(s\) \[5\].*ids 0\.\.4 "
+                                          r"only: SGLang and vLLM capture the hidden state entering each decoder "
+                                          r"layer, and layer id i is the input of layer i\+1"):
+        strategy(aux_layer_ids=[0, 2, 5]).capture_plan(target(6))
 
 
 def test_a_draft_vocabulary_larger_than_the_target_is_rejected():

@@ -6,14 +6,16 @@ strategy's :class:`~specforge_core.protocols.CapturePlan` asks for, hands out th
 embedding / lm_head / final norm, and opens KV-cached :class:`HFVerifySession` s for
 speculative decoding.
 
-Layer ids follow ``ALGORITHMS.md``: layer id ``i`` is the output of decoder layer ``i``,
-transformers' ``hidden_states[i + 1]``; ``last_hidden`` is ``hidden_states[-1]``, which
-transformers returns after the final norm (the lm_head input), so the last layer id gives
-the final norm's output too.
+Layer ids follow the serving engines' convention (:mod:`specforge_core.serving`): layer id
+``i`` is the hidden state *entering* decoder layer ``i + 1`` (the output of layer ``i``,
+transformers' ``hidden_states[i + 1]``), recorded exactly where SGLang and vLLM record it, at
+that layer's input. So ids run ``0..L-2``; the last layer's output (id ``L-1``) is refused,
+since no serving engine can give it to a draft. ``last_hidden`` is the final norm's output
+(``hidden_states[-1]``, the lm_head input).
 
-Features are recorded with forward hooks on just the decoder layers a plan names (and the
-final norm) rather than ``output_hidden_states=True``, which would keep every layer's
-``[B, S, H]`` output alive: for an 8B target and a batch of 8 x 4096 tokens that is ~10 GB.
+Features are recorded with hooks on just the decoder layers a plan names (and the final
+norm) rather than ``output_hidden_states=True``, which would keep every layer's ``[B, S, H]``
+output alive: for an 8B target and a batch of 8 x 4096 tokens that is ~10 GB.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from specforge_core.dtypes import dtype_name, torch_dtype
 from specforge_core.hfconfig import rope_theta
 from specforge_core.options import build_options, options_to_dict
 from specforge_core.protocols import BuildContext, CapturePlan, TargetInfo
+from specforge_core.serving import WHY_LAST_LAYER, max_servable_layer_id
 
 from . import HFEngineOptions
 from .attention import register_batch_invariant_attention
@@ -233,24 +236,27 @@ class HFTargetEngine:
 
     @contextlib.contextmanager
     def _recording(self, plan: CapturePlan, layers: tuple[int, ...]) -> Iterator[dict[Any, torch.Tensor]]:
-        """Hooks that fill the yielded dict during one forward: layer id -> that layer's
-        ``[B, S, H]`` output, and ``"last"`` -> the final norm's output (= ``hidden_states[-1]``)."""
+        """Hooks that fill the yielded dict during one forward: layer id i -> the ``[B, S, H]`` hidden
+        state entering decoder layer i+1, and ``"last"`` -> the final norm's output (``hidden_states[-1]``)."""
         outputs: dict[Any, torch.Tensor] = {}
         # Hooks live on the shared model, so a forward in another thread (a capture producer
         # next to a verify session) fires them too; record only this thread's forward.
         owner = threading.get_ident()
 
-        def keep(key: Any) -> Any:
-            def hook(_module: Any, _inputs: Any, output: Any) -> None:
+        def keep_input(key: Any) -> Any:
+            def hook(_module: Any, args: Any, kwargs: Any) -> None:
                 if threading.get_ident() == owner:
-                    outputs[key] = output[0] if isinstance(output, tuple) else output
+                    outputs[key] = args[0] if args else kwargs["hidden_states"]
             return hook
 
-        last = self._num_layers - 1
+        def keep_output(_module: Any, _inputs: Any, output: Any) -> None:
+            if threading.get_ident() == owner:
+                outputs["last"] = output[0] if isinstance(output, tuple) else output
+
         decoder_layers = self._decoder_layers()
-        handles = [decoder_layers[i].register_forward_hook(keep(i)) for i in layers if i != last]
-        if plan.last_hidden or last in layers:
-            handles.append(self._final_norm().register_forward_hook(keep("last")))
+        handles = [decoder_layers[i + 1].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in layers]
+        if plan.last_hidden:
+            handles.append(self._final_norm().register_forward_hook(keep_output))
         try:
             yield outputs
         finally:
@@ -260,12 +266,10 @@ class HFTargetEngine:
     def _features(self, outputs: Mapping[Any, torch.Tensor], row: int, length: int, plan: CapturePlan,
                   layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """The plan's features of one row, unpadded, each a new contiguous tensor (never a view)."""
-        last = self._num_layers - 1
         features = {}
         if layers:
             # torch.cat always allocates, so the feature does not pin the padded batch.
-            features[plan.hidden_feature] = torch.cat(
-                [outputs["last" if i == last else i][row, :length] for i in layers], dim=-1)
+            features[plan.hidden_feature] = torch.cat([outputs[i][row, :length] for i in layers], dim=-1)
         if plan.last_hidden:
             features["last_hidden"] = outputs["last"][row, :length].clone(memory_format=torch.contiguous_format)
         for name, tensor in features.items():
@@ -276,13 +280,13 @@ class HFTargetEngine:
 
     def _check_plan(self, plan: CapturePlan) -> tuple[int, ...]:
         layers = tuple(plan.layer_ids)
-        last = self._num_layers - 1
+        top = max_servable_layer_id(self._num_layers)
         for layer in layers:
-            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= last:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= top:
                 raise CapturePlanError(
                     f"capture plan asks for layer id {layer!r}, but target {self.model_id!r} has "
-                    f"{self._num_layers} decoder layers: valid layer ids are 0..{last} "
-                    f"(layer id i is the output of decoder layer i)"
+                    f"{self._num_layers} decoder layers: valid layer ids are 0..{top} (layer id i is the hidden "
+                    f"state entering layer i+1; {WHY_LAST_LAYER})"
                 )
         hidden = int(self._config.hidden_size)
         widths = {plan.hidden_feature: len(layers) * hidden} if layers else {}

@@ -24,7 +24,7 @@ from specforge_plugin_hf.errors import AttentionImplementationError
 def tiny_config(kind: str, tokenizer, **overrides):
     from transformers import Gemma2Config, GptOssConfig, LlamaConfig
 
-    shape = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    shape = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
              "pad_token_id": tokenizer.pad_token_id}

@@ -71,12 +71,12 @@ def test_padded_batch_capture_equals_a_direct_single_sample_forward_exactly(engi
     samples.append({"input_ids": torch.cat([s["input_ids"] for s in samples[:6]])[:250]})
     lengths = [len(s["input_ids"]) for s in samples]
     assert len(set(lengths)) > 3 and max(lengths) >= 200, lengths
-    plan = CapturePlan(layer_ids=(0, 2, 3), hidden_feature="aux_hidden", last_hidden=True)
+    plan = CapturePlan(layer_ids=(0, 1, 2), hidden_feature="aux_hidden", last_hidden=True)
     captured = make_engine(engine.model_path, capture_batch_size=len(samples)).capture(samples, plan)
     for sample, result in zip(samples, captured):
         with torch.no_grad():
             hidden = engine.model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
-        want = torch.cat([hidden[1][0], hidden[3][0], hidden[4][0]], dim=-1)
+        want = torch.cat([hidden[1][0], hidden[2][0], hidden[3][0]], dim=-1)
         assert torch.equal(result["aux_hidden"], want), len(sample["input_ids"])
         assert torch.equal(result["last_hidden"], hidden[-1][0])
 
@@ -86,7 +86,7 @@ def test_batch_invariant_attention_computes_what_eager_attention_computes(engine
     assert eager.info().extra["attn_implementation"] == "eager"
     assert engine.info().extra["attn_implementation"] == "specforge_batch_invariant"
     samples = conversation_samples(engine, limit=6)
-    plan = CapturePlan(layer_ids=(0, 1, 2, 3), last_hidden=True)
+    plan = CapturePlan(layer_ids=(0, 1, 2), last_hidden=True)
     for ours, theirs in zip(engine.capture(samples, plan), eager.capture(samples, plan)):
         torch.testing.assert_close(ours["aux_hidden"], theirs["aux_hidden"], atol=1e-5, rtol=1e-5)
 
@@ -100,11 +100,35 @@ def test_capture_splits_batches_by_capture_batch_size(engine):
         assert torch.equal(a["aux_hidden"], b["aux_hidden"]) and torch.equal(a["last_hidden"], b["last_hidden"])
 
 
-def test_layer_id_i_is_hidden_states_i_plus_one_and_the_last_layer_is_normed(engine):
+def test_layer_id_i_is_the_hidden_state_entering_layer_i_plus_one_as_serving_engines_record_it(engine):
+    """The serving engines' rule, restated: SGLang and vLLM record, for capture index k, the
+    hidden state (residual stream) *entering* decoder layer k, and our layer id i is their
+    index i + 1. So id i must equal, bit for bit, the input of decoder layer i + 1 (recorded
+    here by a pre-hook of the test's own), which is also transformers' hidden_states[i + 1]."""
     sample = conversation_samples(engine, limit=1)[0]
-    result = engine.capture([sample], CapturePlan(layer_ids=(3,), last_hidden=True))[0]
-    # the last decoder layer's entry in hidden_states is already final-normed in transformers 5
-    assert torch.equal(result["aux_hidden"], result["last_hidden"])
+    layers = engine.model.base_model.layers
+    seen = {}
+
+    def record(index):
+        def hook(_module, args, kwargs):
+            seen[index] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(k), with_kwargs=True) for k, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            hidden = engine.model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = len(layers)
+    result = engine.capture([sample], CapturePlan(layer_ids=tuple(range(n - 1)), last_hidden=True))[0]
+    width = engine.info().hidden_size
+    for i in range(n - 1):
+        got = result["aux_hidden"][:, i * width:(i + 1) * width]
+        assert torch.equal(got, seen[i + 1][0]), i
+        assert torch.equal(got, hidden[i + 1][0]), i
+    assert torch.equal(result["last_hidden"], hidden[-1][0])  # the final norm's output
     logits = result["last_hidden"] @ engine.frozen_parts()["lm_head"].T
     with torch.no_grad():
         want = engine.model(input_ids=sample["input_ids"][None]).logits[0]
@@ -241,8 +265,15 @@ def test_folder_without_tokenizer_is_a_clear_error(tiny_toy_target, tmp_path):
 
 def test_bad_layer_id_names_the_valid_range(engine):
     sample = conversation_samples(engine, limit=1)
-    with pytest.raises(CapturePlanError, match=r"layer id 4, .* 4 decoder layers: valid layer ids are 0\.\.3"):
+    with pytest.raises(CapturePlanError, match=r"layer id 4, .* 4 decoder layers: valid layer ids are 0\.\.2"):
         engine.capture(sample, CapturePlan(layer_ids=(0, 4)))
+
+
+def test_the_last_layers_output_is_refused_because_no_serving_engine_can_capture_it(engine):
+    sample = conversation_samples(engine, limit=1)
+    with pytest.raises(CapturePlanError, match=r"layer id 3, .*valid layer ids are 0\.\.2 .*the last layer's "
+                                               r"output \(id L-1\) does not exist in a serving engine"):
+        engine.capture(sample, CapturePlan(layer_ids=(0, 3)))
     with pytest.raises(CapturePlanError, match=r"layer id -1"):
         engine.session(sample[0]["input_ids"], CapturePlan(layer_ids=(-1,)))
 
@@ -334,11 +365,12 @@ def test_info_extra_is_json_metadata_with_the_fields_drafts_copy(engine):
 
 def forward_hooks(model) -> dict[str, int]:
     # transformers installs its own output-capturing hooks on first use; count them all
-    return {name: len(module._forward_hooks) for name, module in model.named_modules()}
+    return {name: len(module._forward_hooks) + len(module._forward_pre_hooks) for name, module in
+            model.named_modules()}
 
 
 def test_capture_leaves_no_hooks_on_the_target_even_when_the_forward_fails(engine):
-    plan = CapturePlan(layer_ids=(0, 3), last_hidden=True)
+    plan = CapturePlan(layer_ids=(0, 2), last_hidden=True)
     before = forward_hooks(engine.model)
     engine.capture(conversation_samples(engine, limit=2), plan)
     assert forward_hooks(engine.model) == before
