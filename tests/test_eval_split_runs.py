@@ -64,3 +64,13 @@ def test_capture_reports_its_data_first_and_refuses_an_empty_eval_split_before_w
     assert f"train data {tiny / 'train.jsonl'}: " in proc.stderr and "distinct)" in proc.stderr
     assert f"error: {bad} gave no usable sample for the eval split" in proc.stderr
     assert "skipped 1: empty conversation" in proc.stderr and not features.exists()
+
+
+def test_a_run_whose_data_ends_before_max_steps_evaluates_and_saves_its_last_step(tiny, tmp_path):
+    out = tmp_path / "run"
+    proc = run_specforge(*args(tiny, out, "--set", "data.max_samples=8", "--set", "train.max_steps=5"))
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "eval/accept_len_sim" in line]
+    assert summary["steps"] == 2 and evals == [2]  # one epoch of 8 samples in batches of 4
+    assert summary["best"]["checkpoint"] == "run-step2" and "best checkpoint run-step2" in proc.stdout

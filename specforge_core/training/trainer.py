@@ -89,6 +89,7 @@ class Trainer:
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self._names: list[str] | None = None
+        self._evaluated_at = self._saved_at = -1  # the global step of the last evaluation and checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ resume
@@ -148,6 +149,8 @@ class Trainer:
                 break
         if progress is not None:
             progress.close()
+        if 0 < state.global_step < self.total_steps:
+            self._close_early_end()
         return self._finish(time.perf_counter() - started, state.supervised_tokens - tokens_at_start[0],
                             state.tokens - tokens_at_start[1])
 
@@ -187,6 +190,17 @@ class Trainer:
         if final or (train.save_every and state.global_step % train.save_every == 0) or (evaluate and is_best):
             self.save(is_best=is_best)
 
+    def _close_early_end(self) -> None:
+        """The data ran out before ``total_steps`` (e.g. max_steps above what one stream holds): evaluate and
+        checkpoint the last step as a planned end would, so the summary's figures describe the weights that
+        are exported."""
+        step = self.state.global_step
+        is_best = False
+        if self.evaluator is not None and self._evaluated_at != step:
+            is_best = self._evaluate()
+        if self._saved_at != step:
+            self.save(is_best=is_best)
+
     def _reduce(self, window: _Window, grad_norm: float, lr: float) -> dict[str, Any]:
         """One all-reduce for every metric of the window: Σnum / Σden across micro-batches and ranks."""
         pool = window.pool
@@ -216,6 +230,7 @@ class Trainer:
 
     def _evaluate(self) -> bool:
         state = self.state
+        self._evaluated_at = state.global_step
         values = self.evaluator.run(self.model, global_step=state.global_step, total_steps=self.total_steps)
         self.last_eval = {f"eval/{k}": v for k, v in values.items()}
         self.metrics.write({"step": state.global_step, **self.last_eval})
@@ -237,6 +252,7 @@ class Trainer:
         }
         path = self.checkpoints.save(global_step=self.state.global_step, model=self.model, optimizer=self.optimizer,
                                      trainer_state=trainer_state, is_best=is_best)
+        self._saved_at = self.state.global_step
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.state.global_step)
         if self.info.is_main and self.hooks is not None:
