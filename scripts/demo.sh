@@ -12,9 +12,9 @@ OUT="${1:-runs/demo}"
 "$VENV/bin/python" - "$OUT/summary.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(f"tau_sim {s['tau_sim']:.3f} ({s['tau_sim_convention']})")
+print(f"accept_len_sim {s['accept_len_sim']:.3f} (simulated on the eval split; {s['accept_len_convention']})")
 real = s["real_eval"]
-print(f"accept_len_real {s['accept_len_real']:.3f} ({real['convention']}); "
+print(f"accept_len_real {s['accept_len_real']:.3f} (measured by speculative decoding); "
       f"identical to target greedy: {real['identical_to_target_greedy']}")
 print(f"speedup {s['speedup']:.2f}x: greedy {real['greedy_tokens_per_s']:.1f} tokens/s, speculative "
       f"{real['speculative_tokens_per_s']:.1f} tokens/s (wall clock on this machine, batch 1)")

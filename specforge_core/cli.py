@@ -19,6 +19,9 @@ from .plugins import get_plugin_manager
 from .serving import DEFAULT_EXPORT_DTYPE, EXPORT_DTYPES
 from .specs import SPEC_KINDS
 
+#: What `specforge options` describes: the core's own sections, then one per component kind.
+OPTION_SECTIONS = ("train", "data", "regenerate", *sorted(SPEC_KINDS))
+
 _USAGE_ERRORS = (OptionError, UnknownComponentError, CapabilityError, PluginError)
 
 
@@ -105,37 +108,77 @@ def _check_factories(manager: Any, records: list[dict[str, Any]]) -> dict[str, l
 
 
 @cli.command()
-@click.argument("kind", type=click.Choice(sorted(SPEC_KINDS)))
-@click.argument("name")
-def options(kind: str, name: str) -> None:
-    """Describe the options of one component (`specforge options strategy eagle3`).
+@click.argument("section", required=False, type=click.Choice(OPTION_SECTIONS))
+@click.argument("name", required=False)
+def options(section: str | None, name: str | None) -> None:
+    """Describe the options of a section, with defaults and docs.
 
-    Set them in a config file section or with `--set KIND.OPTION=VALUE` on `specforge run`.
+    \b
+      specforge options                    the sections and the components of each
+      specforge options train              the training loop (train.*)
+      specforge options data               the data (data.*)
+      specforge options strategy           the installed strategies
+      specforge options strategy eagle3    one component's options (strategy.*)
+
+    Set them in a config file section or with `--set SECTION.OPTION=VALUE` on `specforge run`
+    or `specforge capture`.
     """
+    from .config import PLAIN_SECTIONS
     from .options import describe_options
 
+    manager = get_plugin_manager()
+    if section is None:
+        for plain, cls in PLAIN_SECTIONS.items():
+            click.echo(f"{plain:<14} {_first_line(cls)}  (specforge options {plain})")
+        for kind in sorted(SPEC_KINDS):
+            names = ", ".join(sorted(manager.specs(kind))) or "(none installed)"
+            click.echo(f"{kind:<14} {names}  (specforge options {kind} NAME)")
+        return
+    if section in PLAIN_SECTIONS:
+        if name is not None:
+            _fail(OptionError(f"section '{section}' has no components; run `specforge options {section}`"))
+        cls = PLAIN_SECTIONS[section]
+        click.echo(f"{section}: {_first_line(cls)}")
+        _echo_option_rows(section, describe_options(cls))
+        return
+    if name is None:
+        try:
+            specs = manager.specs(section)
+        except SpecforgeError as exc:
+            _fail(exc)
+        for spec_name, spec in sorted(specs.items()):
+            click.echo(f"{spec_name:<12} {spec.description}")
+        click.echo(f"(`specforge options {section} NAME` describes one)")
+        return
     try:
-        spec = get_plugin_manager().get(kind, name)
+        spec = manager.get(section, name)
     except SpecforgeError as exc:
         _fail(exc)
     from .specs import ENGINE_CAPABILITIES
 
     click.echo(f"{spec.origin()}: {spec.description}")
-    if kind == "strategy":
+    if section == "strategy":
         formats = ", ".join(spec.export_formats) or "none (it cannot be exported for serving)"
         click.echo(f"  export formats: {formats}")
     for label, names in (("requires", getattr(spec, "requires", None)),
                          ("capabilities", getattr(spec, "capabilities", None))):
         if names:
             click.echo(f"  {label}: {', '.join(sorted(names))}")
-            for name in sorted(names):
-                if name in ENGINE_CAPABILITIES:
-                    click.echo(f"      {name}: {ENGINE_CAPABILITIES[name]}")
-    rows = describe_options(spec.options)
+            for capability in sorted(names):
+                if capability in ENGINE_CAPABILITIES:
+                    click.echo(f"      {capability}: {ENGINE_CAPABILITIES[capability]}")
+    _echo_option_rows(section, describe_options(spec.options))
+
+
+def _first_line(cls: type) -> str:
+    return (cls.__doc__ or "").strip().splitlines()[0].replace("``", "`")
+
+
+def _echo_option_rows(section: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
         click.echo("  (no options)")
     for row in rows:
-        click.echo(f"  {kind}.{row['name']} ({row['type']}, default {row['default']!r})")
+        click.echo(f"  {section}.{row['name']} ({row['type']}, default {row['default']!r})")
         if row["doc"]:
             click.echo(f"      {row['doc']}")
 
@@ -146,15 +189,49 @@ def _component_option(kind: str) -> Any:
                         help=f"The {kind.replace('_', ' ')} plugin to use (see `specforge plugins`).")
 
 
+def _data_flags(command: Any) -> Any:
+    """``--target-model``, ``--data`` and ``--eval-data``: one spelling on every command that takes them."""
+    command = click.option("--eval-data", default=None, type=click.Path(dir_okay=False, exists=True),
+                           help="Held-out conversations (JSONL) for evaluation (data.eval_path). Default: a "
+                                "share of --data held out (data.eval_holdout).")(command)
+    command = click.option("--data", default=None, type=click.Path(dir_okay=False, exists=True),
+                           help="Training conversations, JSONL (data.path). Default: the toy target's data.")(command)
+    return click.option("--target-model", default=None, metavar="PATH",
+                        help="Target model folder (target_engine.model). Default: the toy target.")(command)
+
+
+def _config_options(command: Any) -> Any:
+    command = click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
+                           help="Override one option, e.g. --set train.lr=1e-4 --set strategy.ttt_length=5 "
+                                "(repeatable; `specforge options` lists them).")(command)
+    return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                        help="YAML configuration; flags and --set override it.")(command)
+
+
+def _raw_config(config_path: str | None, assignments: tuple[str, ...],
+                flags: dict[tuple[str, str], Any], top: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The raw configuration of a command: the config file, then its flags, then ``--set`` (last wins)."""
+    from .config import apply_sets, load_config_file, set_option
+
+    raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
+    for (section, key), value in flags.items():
+        if value is not None:
+            set_option(raw, section, key, value)
+    raw.update({key: value for key, value in (top or {}).items() if value is not None})
+    return apply_sets(raw, assignments)
+
+
+def _data_values(target_model: str | None, data: str | None, eval_data: str | None) -> dict[tuple[str, str], Any]:
+    return {("target_engine", "model"): target_model, ("data", "path"): data, ("data", "eval_path"): eval_data}
+
+
 @cli.command()
 @_component_option("strategy")
 @_component_option("target_engine")
 @_component_option("feature_store")
 @_component_option("control_plane")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="YAML run configuration; flags and --set override it.")
-@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one option, e.g. --set train.lr=1e-4 --set strategy.ttt_length=5 (repeatable).")
+@_data_flags
+@_config_options
 @click.option("--output", default=None, type=click.Path(file_okay=False), help="Run output directory.")
 @click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
 @click.option("--features", default=None, type=click.Path(file_okay=False),
@@ -170,14 +247,17 @@ def _component_option(kind: str) -> Any:
                    "whole, to OUTPUT.old-<time> (without this, such a directory is refused).")
 @click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
 def run(strategy: str | None, target_engine: str | None, feature_store: str | None, control_plane: str | None,
+        target_model: str | None, data: str | None, eval_data: str | None,
         config_path: str | None, assignments: tuple[str, ...], output: str | None, run_id: str | None,
         features: str | None, role: str | None, resume: str | None, overwrite: bool, dry_run: bool) -> None:
     """Train a draft model.
 
     Components are resolved from installed plugins; every option is validated before
-    anything heavy is built. Example:
+    anything heavy is built. Examples:
 
+    \b
         specforge run --strategy eagle3 --set train.max_steps=200 --output out/
+        specforge run --strategy dflash --target-model models/my-llm --data chats.jsonl --output out/
 
     An --output directory that already holds a run is refused: continue it with
     --resume latest, or start over with --overwrite (the old run is moved aside).
@@ -186,28 +266,19 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     (SQLite metadata and a ref channel in DIR/control, features in DIR/store; every sample
     is trained exactly once across crashes and restarts of either side):
 
+    \b
         specforge run --role producer --strategy eagle3 --features DIR --output prod/
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
     """
-    from .config import apply_sets, check_data_files, load_config_file, resolve_plan, set_option
+    from .config import check_data_files, resolve_plan
     from .preflight import check_plan
 
     try:
-        raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
-        flags = {"strategy": strategy, "target_engine": target_engine, "feature_store": feature_store,
-                 "control_plane": control_plane}
-        for kind, name in flags.items():
-            if name:
-                set_option(raw, kind, "name", name)
-        if output:
-            raw["output"] = output
-        if run_id:
-            raw["run_id"] = run_id
-        if features:
-            raw["features"] = features
-        if role:
-            raw["role"] = role
-        raw = apply_sets(raw, assignments)
+        flags = {(kind, "name"): name for kind, name in (("strategy", strategy), ("target_engine", target_engine),
+                                                         ("feature_store", feature_store),
+                                                         ("control_plane", control_plane))}
+        raw = _raw_config(config_path, assignments, {**flags, **_data_values(target_model, data, eval_data)},
+                          {"output": output, "run_id": run_id, "features": features, "role": role})
         plan = resolve_plan(get_plugin_manager(), raw)
         check_plan(plan)  # every factory imports, the strategy has its methods: before any model loads
         check_data_files(plan)
@@ -240,10 +311,26 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     except SpecforgeError as exc:
         _fail(exc)
     if int(os.environ.get("RANK", "0")) == 0:
-        best = summary["best"]
-        click.echo(f"done: {summary['steps']} steps, {summary['tokens_per_s']:.0f} tokens/s; "
-                   f"best {best['metric']}={best['value']} at step {best['step']}; summary in "
-                   f"{os.path.join(plan.output, 'summary.json')}")
+        click.echo(_run_result_line(summary, os.path.join(plan.output, "summary.json")))
+
+
+def _figure(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _run_result_line(summary: dict[str, Any], summary_path: str) -> str:
+    """The last line of a run: steps, supervised tokens/s, acceptance sim vs real, the best checkpoint."""
+    parts = [f"done: {summary['steps']} steps, {summary['tokens_per_s']:.0f} supervised tokens/s"]
+    if summary.get("final_eval"):
+        parts.append(f"accept_len_sim {_figure(summary.get('accept_len_sim'))}, accept_len_real "
+                     f"{_figure(summary.get('accept_len_real'))} (bonus token included)")
+    else:
+        parts.append(f"nothing evaluated ({summary.get('eval_split') or 'no eval split'})")
+    best = summary["best"]
+    if best.get("checkpoint"):
+        parts.append(f"best checkpoint {best['checkpoint']} ({best['metric']} {_figure(best['value'])} at step "
+                     f"{best['step']})")
+    return "; ".join(parts) + f"; summary in {summary_path}"
 
 
 def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
@@ -268,17 +355,10 @@ def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
 @cli.command()
 @_component_option("strategy")
 @_component_option("target_engine")
-@click.option("--target-model", default=None, metavar="PATH",
-              help="Target model folder (or hub id with network). Default: the toy target.")
-@click.option("--data", default=None, type=click.Path(dir_okay=False, exists=True),
-              help="Training conversations (JSONL). Default: the toy target's bundled data.")
-@click.option("--eval-data", default=None, type=click.Path(dir_okay=False, exists=True),
-              help="Held-out conversations (JSONL), stored as the eval split.")
+@_data_flags
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Features directory to write.")
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per target forward.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, help="YAML configuration.")
-@click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override an option, e.g. --set data.max_length=1024 --set strategy.ttt_length=5.")
+@_config_options
 def capture(strategy: str | None, target_engine: str | None, target_model: str | None, data: str | None,
             eval_data: str | None, output: str, batch_size: int, config_path: str | None,
             assignments: tuple[str, ...]) -> None:
@@ -288,30 +368,84 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     samples already in DIR are skipped. Prints bytes per token and the ratio to the
     unpadded minimum.
     """
-    from .topologies.offline import run_capture
-    from .config import apply_sets, check_data_files, load_config_file, resolve_plan, set_option
+    from .config import check_data_files, resolve_plan
     from .preflight import check_plan
+    from .topologies.offline import run_capture
 
     try:
-        raw: dict[str, Any] = load_config_file(config_path) if config_path else {}
-        raw["output"] = output
-        raw = apply_sets(raw, assignments)
-        for section, key, value in (("strategy", "name", strategy), ("target_engine", "name", target_engine),
-                                    ("target_engine", "model", target_model), ("data", "path", data),
-                                    ("data", "eval_path", eval_data)):
-            if value:
-                set_option(raw, section, key, value)
+        raw = _raw_config(config_path, assignments, {("strategy", "name"): strategy,
+                                                     ("target_engine", "name"): target_engine,
+                                                     **_data_values(target_model, data, eval_data)},
+                          {"output": output})
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
         check_plan(plan)
         check_data_files(plan)
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
     except SpecforgeError as exc:
         _fail(exc)
+    click.echo(result["eval_split"])
     for split, report in result["data"].items():
         click.echo(f"{split}: {result['samples'][split]} samples ({report['new']} new, {report['reused']} reused); "
                    f"{report['summary']}")
     click.echo(f"{result['tokens']} tokens, {result['bytes_per_token']:.1f} bytes/token, "
                f"{result['ratio_to_unpadded_minimum']:.3f}x the unpadded minimum; features in {result['output']}")
+
+
+@cli.command()
+@_component_option("target_engine")
+@click.option("--target-model", default=None, metavar="PATH",
+              help="Target model folder (target_engine.model). Default: the toy target.")
+@click.option("--data", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="Conversations to regenerate (JSONL: messages, ShareGPT conversations, or prompt/response).")
+@click.option("--output", required=True, type=click.Path(dir_okay=False),
+              help="JSONL file to write (must not exist; OUTPUT.partial holds a run in progress).")
+@click.option("--max-new-tokens", default=None, type=int, help="Most tokens per reply (regenerate.max_new_tokens).")
+@click.option("--temperature", default=None, type=float,
+              help="0 (default): greedy, the target's own most likely reply; above 0: sampled.")
+@click.option("--batch-size", default=None, type=int, help="Conversations generated together (regenerate.batch_size).")
+@_config_options
+def regenerate(target_engine: str | None, target_model: str | None, data: str, output: str,
+               max_new_tokens: int | None, temperature: float | None, batch_size: int | None,
+               config_path: str | None, assignments: tuple[str, ...]) -> None:
+    """Rewrite the assistant turns of a conversation file with the target's own replies.
+
+    Drafts are judged by how well they predict the target; trained on replies the target
+    would not give, they accept less than published figures. Each assistant turn is
+    replaced by the target's reply to the conversation so far, and a conversation ending on
+    a user turn gets one. Batched and KV-cached; resumable (run the same command again
+    after an interruption); written in the input's format. Example:
+
+    \b
+        specforge regenerate --target-model models/my-llm --data chats.jsonl --output chats.regen.jsonl
+        specforge run --strategy eagle3 --target-model models/my-llm --data chats.regen.jsonl --output out/
+    """
+    from .config import RegenerateOptions, TrainOptions
+    from .options import build_options
+    from .protocols import BuildContext
+    from .regenerate import run_regenerate
+    from .threads import apply_threads
+
+    try:
+        raw = _raw_config(config_path, assignments, {
+            ("target_engine", "name"): target_engine, ("target_engine", "model"): target_model,
+            ("regenerate", "max_new_tokens"): max_new_tokens, ("regenerate", "temperature"): temperature,
+            ("regenerate", "batch_size"): batch_size})
+        unknown = sorted(set(raw) - {"target_engine", "regenerate", "train"})
+        if unknown:
+            raise OptionError(f"regenerate reads the sections target_engine, regenerate and train (threads); "
+                              f"got '{unknown[0]}'")
+        engine_raw = dict(raw.get("target_engine") or {})
+        spec = get_plugin_manager().get("target_engine", str(engine_raw.pop("name", None) or "hf"))
+        options = build_options(RegenerateOptions, raw.get("regenerate"), section="regenerate")
+        apply_threads(build_options(TrainOptions, raw.get("train"), section="train").threads)
+        engine = spec.load_factory()(spec.build_options(engine_raw), BuildContext(role="regenerate"))
+        if not hasattr(engine, "generate"):
+            raise OptionError(f"{spec.origin()} cannot generate text; regenerate with --target-engine hf")
+        report = run_regenerate(engine, data, output, options)
+    except SpecforgeError as exc:
+        _fail(exc)
+    click.echo(report.summary())
+    click.echo(f"regenerated conversations in {output}")
 
 
 @cli.command(name="export")
@@ -350,7 +484,7 @@ def export_command(source: str, fmt: str | None, dtype: str, output: str) -> Non
                    "specforge writes.")
 @click.option("--target-model", default=None, metavar="PATH", help="Target model folder. Default: the toy target.")
 @click.option("--target-engine", default="hf", show_default=True, metavar="NAME", help="Target engine plugin.")
-@click.option("--prompts", default=None, type=click.Path(exists=True, dir_okay=False),
+@click.option("--data", "--prompts", "prompts", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL conversations; each is cut at its last user turn. Default: the toy target's eval split.")
 @click.option("--num-prompts", default=32, show_default=True, help="How many prompts to decode.")
 @click.option("--max-new-tokens", default=64, show_default=True, help="Tokens generated per prompt.")
@@ -376,7 +510,10 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
     from .protocols import BuildContext
     from .speculative import measure_acceptance, prompts_from_jsonl
 
+    from .threads import apply_threads
+
     try:
+        apply_threads(None)
         sets = apply_sets({}, assignments)
         unknown = sorted(set(sets) - {"strategy", "target_engine"})
         if unknown:
@@ -393,8 +530,9 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
         if prompts is None:
             default = getattr(engine, "default_data", lambda: None)()
             if default is None:
-                raise OptionError("no prompts: pass --prompts FILE (only the toy target ships held-out prompts)")
-            prompts = str(default[1])
+                raise OptionError("no prompts: pass --data FILE (only the toy target ships held-out prompts)")
+            # the eval split a run on the toy measures: its held-out prompts with the target's own replies
+            prompts = str(getattr(engine, "default_eval_data", lambda: None)() or default[1])
         prompt_ids = prompts_from_jsonl(prompts, engine.tokenizer, limit=num_prompts)
         if not prompt_ids:
             raise OptionError(f"{prompts} holds no usable prompt (a conversation with a user turn)")

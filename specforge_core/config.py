@@ -30,7 +30,7 @@ from .serving import DEFAULT_EXPORT_DTYPE, EXPORT_DTYPES
 from .specs import SPEC_KINDS, ComponentSpec, check_capabilities
 
 COMPONENT_SECTIONS = tuple(SPEC_KINDS)  # strategy, target_engine, feature_store, control_plane
-SECTIONS = COMPONENT_SECTIONS + ("train", "data")
+SECTIONS = COMPONENT_SECTIONS + ("train", "data", "regenerate")
 TOP_LEVEL = SECTIONS + ("output", "run_id", "features", "role")
 #: ``role`` values of a disaggregated run: a producer captures, a consumer trains.
 ROLES = ("producer", "consumer")
@@ -44,10 +44,15 @@ class TrainOptions:
 
     batch_size: int = option(4, "Samples per micro-batch on each rank.", check=positive)
     accumulation_steps: int = option(1, "Micro-batches per optimizer update.", check=positive)
-    lr: float = option(1e-4, "Peak learning rate of AdamW.", check=positive)
+    lr: float = option(1e-4, "Peak learning rate of AdamW. The strategies suggest their published recipes' value "
+                             "(eagle3 1e-4, dflash 6e-4); the toy target suggests 1e-3.", check=positive)
     min_lr_ratio: float = option(0.0, "Cosine floor as a fraction of lr.", check=fraction)
     weight_decay: float = option(0.0, "AdamW weight decay.", check=non_negative)
-    warmup_steps: int = option(0, "Linear warmup length in optimizer steps.", check=non_negative)
+    warmup_steps: int = option(0, "Linear warmup length in optimizer steps (wins over warmup_ratio when > 0).",
+                               check=non_negative)
+    warmup_ratio: float = option(0.0, "Linear warmup as a fraction of the planned optimizer steps, used when "
+                                      "warmup_steps is 0. The strategies suggest their published recipes' value "
+                                      "(eagle3 0.015, dflash 0.04).", check=fraction)
     schedule: str = option("cosine", "LR schedule after warmup.", choices=("cosine", "constant"))
     max_steps: int | None = option(None, "Optimizer steps to run; None derives it from epochs and data size.",
                                    check=positive)
@@ -60,6 +65,9 @@ class TrainOptions:
     save_every: int = option(0, "Checkpoint every N optimizer steps (0: only at the end).", check=non_negative)
     keep_last: int = option(2, "Checkpoints kept by rotation (best is never deleted).", check=positive)
     device: str = option("auto", "Training device: auto, cpu, cuda.", choices=("auto", "cpu", "cuda"))
+    threads: int | None = option(None, "Torch CPU threads of this process. None: OMP_NUM_THREADS when set, else the "
+                                       "cores this process may run on. On a machine shared with other jobs, set "
+                                       "it to the cores you have to yourself.", check=positive)
     export: bool = option(True, "At the end, export the draft for serving into OUTPUT/export (when the strategy can), "
                                 "in the first format its plugin declares.")
     export_dtype: str = option(DEFAULT_EXPORT_DTYPE, "dtype of the exported draft's weights: the dtype it will be "
@@ -75,7 +83,12 @@ class DataOptions:
     """What conversations feed the run (the ``data`` section)."""
 
     path: str | None = option(None, "Training JSONL; None uses the bundled toy conversations.")
-    eval_path: str | None = option(None, "Held-out JSONL for evaluation; None uses the bundled eval split.")
+    eval_path: str | None = option(None, "Held-out JSONL for evaluation. None: the toy target's bundled eval "
+                                         "split, or for your own data.path a share of it held out (eval_holdout).")
+    eval_holdout: float = option(0.05, "Without eval_path, this share of data.path's rows is held out for "
+                                       "evaluation (chosen by a hash of each row: the same rows every run), at "
+                                       "least 1 and at most eval_holdout_max. 0 turns it off.", check=fraction)
+    eval_holdout_max: int = option(200, "The most rows eval_holdout takes.", check=positive)
     max_length: int = option(2048, "Truncate tokenized samples to this many tokens.", check=positive)
     last_turn_only: bool = option(False, "Supervise only the last assistant turn.")
     strict: bool = option(False, "Make a malformed row fatal instead of skipping and counting it.")
@@ -83,6 +96,25 @@ class DataOptions:
     missing_samples: str = option("fail", "An offline run (--features DIR) whose store lacks samples its manifest "
                                           "lists: fail, or skip them (train on the rest and report what is missing).",
                                   choices=("fail", "skip"))
+
+
+@attrs.frozen
+class RegenerateOptions:
+    """How `specforge regenerate` rewrites assistant turns with the target (the ``regenerate`` section)."""
+
+    max_new_tokens: int = option(512, "Most tokens generated per assistant turn; a turn cut there is counted.",
+                                 check=positive)
+    temperature: float = option(0.0, "0 decodes greedily (the target's own most likely answer, what "
+                                     "acceptance is measured against); above 0 samples.", check=non_negative)
+    top_p: float = option(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability "
+                               "(with temperature > 0).", check=fraction)
+    seed: int = option(0, "Seed of sampling; each batch is seeded from it and its first row, so a resumed run "
+                          "samples what an uninterrupted one would (for the same batch_size).")
+    batch_size: int = option(8, "Conversations generated together (one batched, KV-cached decode).", check=positive)
+
+
+#: The core's own option sections (component sections are described by their plugins).
+PLAIN_SECTIONS: dict[str, type] = {"train": TrainOptions, "data": DataOptions, "regenerate": RegenerateOptions}
 
 
 @attrs.frozen(kw_only=True)
@@ -221,11 +253,14 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
         _check_role_store(role, components["feature_store"].spec)
     train = build_options(TrainOptions, _section(raw, "train"), section="train")
     data = build_options(DataOptions, _section(raw, "data"), section="data")
+    build_options(RegenerateOptions, _section(raw, "regenerate"), section="regenerate")  # a typo fails here too
     run_id = str(raw.get("run_id") or "run")
     output = str(raw.get("output") or os.path.join("runs", run_id))
     explicit = frozenset(f"{section}.{key}" for section in SECTIONS for key in _section(raw, section))
-    return RunPlan(components=components, train=train, data=data, output=output, run_id=run_id,
+    plan = RunPlan(components=components, train=train, data=data, output=output, run_id=run_id,
                    features=str(features) if features else None, role=role, explicit=explicit)
+    # The strategy's published recipe fills what the user left unset (shown by --dry-run).
+    return with_suggested_train_options(plan, getattr(components["strategy"].spec, "suggested_train", {}))[0]
 
 
 def check_data_files(plan: RunPlan) -> None:

@@ -132,6 +132,22 @@ def specforge_step_end(run_id: str, global_step: int, metrics: dict[str, float])
 
 
 @hookspec
+def specforge_eval_end(run_id: str, global_step: int, metrics: dict[str, float]) -> None:
+    """Called on rank 0 after each evaluation on the eval split, with its pooled metrics.
+
+    ``metrics`` holds the strategy's eval metrics without a prefix: ``loss``,
+    ``accept_len_sim`` (the simulated acceptance length, bonus token included),
+    ``accept_rate_k``, and the strategy's own.
+
+    Example::
+
+        @hookimpl
+        def specforge_eval_end(global_step, metrics):
+            tracker.log({f"eval/{k}": v for k, v in metrics.items()}, step=global_step)
+    """
+
+
+@hookspec
 def specforge_checkpoint_saved(run_id: str, global_step: int, path: str) -> None:
     """Called on rank 0 after a checkpoint directory has been atomically put in place.
 

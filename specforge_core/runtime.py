@@ -92,8 +92,11 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
     from .training.evaluator import Evaluator
     from .training.trainer import Trainer
 
+    from .threads import apply_threads
+
     train = plan.train
     info = init_distributed(train.device)
+    apply_threads(train.threads, quiet=not info.is_main)
     source: Any = None
     try:
         check_same_everywhere("the installed plugin set", manager.plugin_set(), info)
@@ -126,6 +129,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         train = plan.train
         torch.manual_seed(train.seed)
         model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
+        plan = with_resolved_strategy_options(plan, strategy)
         loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
                                      rank=info.rank, world_size=info.world_size)
         batches_per_epoch = source.samples_per_rank(info.world_size) // train.batch_size
@@ -137,15 +141,21 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
                                                world_size=info.world_size)
         evaluator = Evaluator(strategy, make_eval, info) if make_eval else None
         spec = plan["strategy"].spec
+        # Without an eval split the best checkpoint is the one of the lowest training loss: the
+        # strategy's eval metric does not exist then.
+        best_metric, best_mode = (spec.best_metric, spec.best_mode) if evaluator else ("loss", "min")
+        eval_note = getattr(source, "eval_note", "") or ("eval split: yes" if evaluator else "no eval split")
+        if info.is_main:
+            print(eval_note, file=sys.stderr, flush=True)
         summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
-                         "topology": topology,
+                         "topology": topology, "eval_split": eval_note,
                          "train_options_suggested_by_engine": applied or {}}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
                           contract=run_contract(plan, info.world_size, total_steps, source.fingerprint,
                                                 strategy.capture_plan(source.target).layer_ids),
-                          hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=spec.best_metric,
-                          best_mode=spec.best_mode, summary_extra=summary_extra,
+                          hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=best_metric,
+                          best_mode=best_mode, summary_extra=summary_extra,
                           on_checkpoint=getattr(source, "checkpointed", None))
         if resume:
             trainer.resume(resume)  # refuses a changed contract before anything is written
@@ -173,6 +183,19 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         shutdown()
 
 
+def with_resolved_strategy_options(plan: RunPlan, strategy: Any) -> RunPlan:
+    """The plan with the options the strategy resolved from the data while building its model (e.g.
+    EAGLE3's data-sized draft vocabulary), so that run.json, the resume contract and a later export
+    rebuild exactly this draft."""
+    import attrs
+
+    resolved = getattr(strategy, "options", None)
+    if resolved is None or resolved == plan["strategy"].options:
+        return plan
+    component = attrs.evolve(plan["strategy"], options=resolved)
+    return attrs.evolve(plan, components={**plan.components, "strategy": component})
+
+
 def _topology(plan: RunPlan) -> str:
     if plan.role == "consumer":
         return "disaggregated-consumer"
@@ -192,7 +215,7 @@ def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any
         return None, f"no target engine for the real check: {exc}"
     if frozen_fingerprint(engine.frozen_parts()) != source.fingerprint:
         return None, ("the target engine's model is not the one the features were captured from; pass "
-                      "--set target_engine.model=PATH to measure tau_real")
+                      "--target-model PATH to measure accept_len_real")
     return engine, None
 
 
@@ -200,31 +223,39 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
              summary: dict[str, Any]) -> dict[str, Any]:
     """Export the final draft and measure its real acceptance and speedup; adds both to ``summary.json``.
 
-    When an export was written, the draft measured is the export itself, read back as
+    The summary names every acceptance figure in one vocabulary (bonus token included):
+    ``accept_len_sim`` (greedy decoding replayed on the eval split) and ``accept_len_real``
+    (the draft really decoding held-out prompts); ``tau_sim`` / ``tau_real`` are the former
+    names. When an export was written, the draft measured is the export itself, read back as
     `specforge eval` reads it (its weights in the served dtype), so the summary describes the
     folder that gets served; otherwise the trained weights are measured as they are.
     """
+    from .acceptance import ACCEPT_LEN_CONVENTION
     from .dtypes import dtype_name
     from .export import export_model
-    from .topologies.capture import data_paths
-    from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_jsonl
+    from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_token_rows
     from .training.checkpoint import load_model_state, model_state
     from .training.distributed import DistInfo
     from .training.trainer import write_summary
 
     train = plan.train
     spec = plan["strategy"].spec
+    final_eval = summary.get("final_eval", {})
+    summary.update({"accept_len_sim": final_eval.get("eval/accept_len_sim"),
+                    "accept_len_convention": ACCEPT_LEN_CONVENTION,
+                    "tau_sim": final_eval.get("eval/tau_sim"), "tau_sim_convention": TAU_SIM_CONVENTION})
     wants_export = train.export and bool(spec.export_formats) and hasattr(strategy, "export")
     wants_real = train.real_eval_prompts > 0 and hasattr(strategy, "speculate")
     if not (wants_export or wants_real):
+        if info.is_main:
+            write_summary(plan.output, summary)
         return summary
     state = model_state(trainer.model, info)  # a collective under FSDP2: every rank takes part
     if not info.is_main:
         return summary
     model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
     load_model_state(model, state, DistInfo())
-    extra: dict[str, Any] = {"tau_sim": summary.get("final_eval", {}).get("eval/tau_sim"),
-                             "tau_sim_convention": TAU_SIM_CONVENTION}
+    extra: dict[str, Any] = {}
     measured, draft = model, f"the trained weights ({dtype_name(next(model.parameters()).dtype)})"
     if wants_export:
         from .export import ExportError
@@ -243,11 +274,11 @@ def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any,
                 draft = f"the export in {out.name}/ ({train.export_dtype})"
     if wants_real:
         engine, reason = _eval_engine(plan, source, context)
-        eval_path = data_paths(plan, engine)[1] if engine is not None else None
-        if engine is not None and eval_path is None:
-            reason = "no held-out prompts: pass --set data.eval_path=FILE"
+        prompts = prompts_from_token_rows(source.eval_token_rows(train.real_eval_prompts),
+                                          limit=train.real_eval_prompts) if engine is not None else []
+        if engine is not None and not prompts:
+            reason = f"no held-out prompts ({getattr(source, 'eval_note', 'no eval split')})"
         if reason is None:
-            prompts = prompts_from_jsonl(eval_path, engine.tokenizer, limit=train.real_eval_prompts)
             result = measure_acceptance(strategy, measured, engine, prompts,
                                         max_new_tokens=train.real_eval_max_new_tokens)
             extra["accept_len_real"] = extra["tau_real"] = result["accept_len_real"]

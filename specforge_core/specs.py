@@ -101,11 +101,14 @@ class StrategySpec(ComponentSpec):
     ``requires`` lists target-engine capabilities it needs (:data:`ENGINE_CAPABILITIES`: e.g.
     ``"aux_hidden_states"``, ``"last_hidden"``; a strategy that trains from features and also
     decodes needs ``"verify"`` for its real acceptance check); ``best_metric`` names the eval
-    metric that picks the best checkpoint, as the strategy reports it (``"accept_len"``, not
-    ``"eval/accept_len"``), and ``best_mode`` whether higher (``"max"``) or lower is better;
-    ``export_formats`` names the serving formats its ``export`` can write (``"sglang"``,
-    ``"vllm"``, ``"speculators"``, or a plugin's own), the first being the default — empty
-    when the draft cannot be served, and then ``specforge export`` refuses it.
+    metric that picks the best checkpoint, as the strategy reports it (``"accept_len_sim"``, not
+    ``"eval/accept_len_sim"``), and ``best_mode`` whether higher (``"max"``) or lower is better;
+    ``export_formats`` names the serving
+    formats its ``export`` can write (``"sglang"``, ``"vllm"``, ``"speculators"``, or a
+    plugin's own), the first being the default — empty when the draft cannot be served, and
+    then ``specforge export`` refuses it; ``suggested_train`` holds ``train`` options from the
+    algorithm's published recipes (e.g. ``{"lr": 6e-4, "warmup_ratio": 0.04}``), applied
+    wherever the user set nothing.
     """
 
     kind = "strategy"
@@ -113,6 +116,7 @@ class StrategySpec(ComponentSpec):
     export_formats: tuple[str, ...] = attrs.field(factory=tuple, converter=tuple)
     best_metric: str = "loss"
     best_mode: str = attrs.field(default="min", validator=attrs.validators.in_(("min", "max")))
+    suggested_train: dict[str, Any] = attrs.field(factory=dict, converter=dict, eq=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -25,7 +25,8 @@ from .protocols import CapturePlan
 
 TAU_REAL_CONVENTION = ("tokens per target verification forward, bonus token included; the prompt's prefill "
                        "forward and the first token it yields are not counted, as serving engines report it")
-TAU_SIM_CONVENTION = "expected accepted draft tokens per round from per-step eval accuracy, bonus token excluded"
+TAU_SIM_CONVENTION = ("the former simulated figure, kept one release: expected accepted draft tokens per round "
+                      "from per-step eval accuracy, bonus token excluded; read accept_len_sim instead")
 SPEEDUP_CONVENTION = ("wall-clock new tokens per second of speculative decoding over the target's plain greedy "
                       "decode, batch 1, same engine, prompts and threads, prefill included in both; measured on "
                       "this machine's engine, it is not a serving engine's speedup on a GPU")
@@ -125,6 +126,27 @@ def prompts_from_jsonl(path: str | Path, tokenizer: Any, *, limit: int) -> list[
     return prompts
 
 
+def prompts_from_token_rows(rows: Iterable[tuple[Sequence[int], Sequence[int]]], *, limit: int) -> list[list[int]]:
+    """Held-out prompts from prepared samples: each ``(input_ids, loss_mask)`` cut where its last
+    supervised turn starts (the conversation up to its last user turn and the generation prompt,
+    as the tokenizer rendered it). Rows with nothing supervised give no prompt."""
+    prompts: list[list[int]] = []
+    for ids, mask in rows:
+        if len(prompts) >= limit:
+            break
+        mask = list(mask)
+        if 1 not in mask:
+            continue
+        start = len(mask) - 1
+        while mask[start] == 0:  # back to the last supervised token, then to its turn's start
+            start -= 1
+        while start > 0 and mask[start - 1] == 1:
+            start -= 1
+        if start > 0:
+            prompts.append([int(t) for t in ids[:start]])
+    return prompts
+
+
 def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable[list[int]], *,
                        max_new_tokens: int = 64, progress: bool = True) -> dict[str, Any]:
     """Speculative decoding on every prompt, timed against the target's plain greedy decode.
@@ -177,13 +199,18 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
         greedy_s += middle - start
         speculative_s += end - middle
         per_prompt.append({"tokens": len(result.tokens), "target_forwards": result.target_forwards,
-                           "greedy_s": round(middle - start, 6), "speculative_s": round(end - middle, 6)})
+                           "greedy_s": round(middle - start, 6), "speculative_s": round(end - middle, 6),
+                           "_rounds": list(result.accept_lengths[1:])})
+    from .acceptance import accept_rates
+
     accept_len = tokens / forwards if forwards else 0.0
     baseline = generated / greedy_s if greedy_s else 0.0
     fast = generated / speculative_s if speculative_s else 0.0
+    rounds = [n for p in per_prompt for n in p.pop("_rounds")]
     return {
         "accept_len_real": accept_len,
-        "tau_real": accept_len,  # the earlier name of accept_len_real
+        "tau_real": accept_len,  # the former name, kept one release
+        "accept_rates": accept_rates(rounds, max(rounds, default=1) - 1),
         "convention": TAU_REAL_CONVENTION,
         "prompts": len(prompts),
         "tokens": tokens,

@@ -384,7 +384,7 @@ def malformed_rows_are_skipped_and_reported(w):  # defect 4: run used to drop th
         b'{"messages": [{"role": "user", "content": "no answer"}]}', *(line.encode() for line in good[3:])]) + b"\n")
     return Bad(argv=["run", *example_args(w.tiny), "--set", f"data.path={data}", "--set", "train.max_steps=2",
                      "--output", str(w.tmp / "out")], code=0, kept=(data,),
-               says=(f"data {data}: 9 rows: 6 kept, 3 skipped", f"{data}:2", f"{data}:4", f"{data}:6",
+               says=(f"train data {data}: 9 rows read: 6 kept, 3 skipped", f"{data}:2", f"{data}:4", f"{data}:6",
                      "skipped rows are not trained: fix or remove them, or set data.strict=true"))
 
 

@@ -165,6 +165,23 @@ def test_sharegpt_and_messages_rows_give_identical_samples(tmp_path, chatml):
     assert normalize_row({"conversations": sharegpt}) == [SYSTEM, *TWO_TURNS]
 
 
+def test_prompt_response_rows_are_one_user_turn_and_its_reply(tmp_path, chatml):
+    turn = TWO_TURNS[:2]
+    path = write_jsonl(tmp_path, [{"prompt": turn[0]["content"], "response": turn[1]["content"]},
+                                  {"prompt": turn[0]["content"], "completion": turn[1]["content"]},
+                                  {"messages": turn},
+                                  {"system": SYSTEM["content"], "prompt": turn[0]["content"],
+                                   "response": turn[1]["content"]}])
+    samples, report = prepare_file(path, chatml)
+    assert report.kept == 4
+    assert samples[0].input_ids == samples[1].input_ids == samples[2].input_ids
+    assert samples[0].loss_mask == samples[1].loss_mask == samples[2].loss_mask
+    assert normalize_row({"system": "s", "prompt": "p", "response": "r"}) == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]
+    assert supervised_segments(chatml, samples[3].input_ids, samples[3].loss_mask) == [
+        turn[1]["content"] + "<|im_end|>"]
+
+
 def test_messages_after_the_last_assistant_turn_are_dropped(chatml):
     assert normalize_row({"messages": [*TWO_TURNS, {"role": "user", "content": "more?"}]}) == TWO_TURNS
 
@@ -204,8 +221,12 @@ BAD_ROWS = [
     ("not json{", "not JSON", "not JSON: Expecting value at column 1"),
     (b'{"messages": "\xff"}', "not JSON", "not JSON: the line is not UTF-8 text (invalid start byte at byte 14)"),
     ([1, 2], "not a JSON object", "not a JSON object: the line holds an array"),
-    ({"text": "hi"}, "unknown row format", "unknown row format: expected a 'conversations' or 'messages' list, "
-                                           "or 'input_ids' with 'loss_mask'; found keys ['text']"),
+    ({"text": "hi"}, "unknown row format", "unknown row format: found keys ['text']; expected one of 'messages' "
+                                           "(OpenAI: role/content); 'conversations' (ShareGPT: from/value, or "
+                                           "role/content); 'prompt' with 'response' or 'completion'; 'input_ids' "
+                                           "with 'loss_mask' (pre-tokenized)"),
+    ({"prompt": ["hi"], "response": "x"}, "bad message", "bad message: 'prompt' must be a string, not an array"),
+    ({"prompt": "hi"}, "no assistant turn", "no assistant turn: the conversation has nothing to supervise"),
     ({"messages": "hi"}, "unknown row format", "unknown row format: 'messages' must be a list of messages, "
                                                "not a string"),
     ({"conversations": []}, "empty conversation", "empty conversation: 'conversations' is an empty list"),
@@ -272,9 +293,11 @@ def test_the_report_summary(tmp_path, chatml):
     path = write_jsonl(tmp_path, [{"messages": TWO_TURNS}, "{", {"messages": [TWO_TURNS[0]]}, "}"])
     (sample,), report = prepare_file(path, chatml)
     tokens, supervised = len(sample.input_ids), sum(sample.loss_mask)
+    distinct = len({t for t, m in zip(sample.input_ids, sample.loss_mask) if m})
+    assert 1 < distinct < supervised
     assert report.summary() == (
-        f"4 rows: 1 kept, 3 skipped; {tokens} tokens, {supervised} supervised "
-        f"({100 * supervised / tokens:.1f}%); 0 truncated to max_length\n"
+        f"4 rows read: 1 kept, 3 skipped; {tokens} tokens, {supervised} supervised "
+        f"({100 * supervised / tokens:.1f}%, {distinct} distinct); 0 truncated to max_length\n"
         "  skipped 2: not JSON\n"
         "  skipped 1: no assistant turn\n"
         f"  e.g. {path}:2: not JSON: Expecting property name enclosed in double quotes at column 2\n"
@@ -317,6 +340,26 @@ def test_a_template_that_is_not_prefix_stable_is_refused():
         "count, the position of the last user message, a generation prompt unlike the assistant header it "
         "writes, ...). Give the tokenizer a prefix-stable chat_template, or try last_turn_only=True (only the "
         "final turn is located).")
+
+
+def test_a_template_that_rewrites_replies_is_refused_naming_the_file_and_line(tmp_path, chatml):
+    class Shouting:
+        """ChatML, but assistant replies are upper-cased: the mask would cover words the data never had."""
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            shout = [dict(m, content=m["content"].upper()) if m["role"] == "assistant" else m for m in messages]
+            return chatml.apply_chat_template(shout, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+        def __call__(self, *args, **kwargs):
+            return chatml(*args, **kwargs)
+
+        def __len__(self):
+            return len(chatml)
+
+    path = write_jsonl(tmp_path, [{"messages": TWO_TURNS}])
+    with pytest.raises(ChatTemplateError, match=f"^{path}:1: the chat template's rendering of assistant message 1 "
+                                                 "does not contain the end of its content"):
+        prepare_file(path, Shouting())
 
 
 def test_a_template_error_is_fatal_and_names_the_row_even_when_not_strict(tmp_path):

@@ -57,7 +57,7 @@ def test_loading_a_draft_needs_its_config_and_strategy_name(tmp_path):
 
 
 def test_eval_without_prompts_for_a_non_toy_target_is_a_usage_error(tmp_path):
-    from specforge_core.topologies.capture import data_paths
+    from specforge_core.data.split import resolve_data_files
 
     class Plan:
         class data:
@@ -69,7 +69,7 @@ def test_eval_without_prompts_for_a_non_toy_target_is_a_usage_error(tmp_path):
             return None
 
     with pytest.raises(OptionError, match="no training data: pass --data FILE"):
-        data_paths(Plan, NoDefaults())
+        resolve_data_files(Plan, NoDefaults())
 
 
 @pytest.fixture(scope="module")

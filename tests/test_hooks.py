@@ -50,6 +50,10 @@ def specforge_checkpoint_saved(path):
     CALLS.append(("ckpt", path))
 
 @hookimpl
+def specforge_eval_end(global_step, metrics):
+    CALLS.append(("eval", global_step, metrics))
+
+@hookimpl
 def specforge_run_finished(run_id, summary):
     CALLS.append(("finished", run_id, summary))
 
@@ -102,6 +106,12 @@ def test_hook_specforge_step_end(fake_site):
     manager = _manager(fake_site)
     manager.hook.specforge_step_end(run_id="r1", global_step=3, metrics={"loss": 0.5})
     assert _observer_calls(manager) == [("step", 3, {"loss": 0.5})]
+
+
+def test_hook_specforge_eval_end(fake_site):
+    manager = _manager(fake_site)
+    manager.hook.specforge_eval_end(run_id="r1", global_step=4, metrics={"accept_len_sim": 2.5})
+    assert _observer_calls(manager) == [("eval", 4, {"accept_len_sim": 2.5})]
 
 
 def test_hook_specforge_checkpoint_saved(fake_site):

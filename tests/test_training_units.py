@@ -83,3 +83,15 @@ def test_contract_check_names_the_nested_field(tmp_path):
         check_contract(saved, {**saved, "strategy_options": {"ttt_length": 5}}, tmp_path)
     with pytest.raises(CheckpointError, match=r"strategy changed \(checkpoint: 'x', now: 'y'\)"):
         check_contract(saved, {**saved, "strategy": "y"}, tmp_path)
+
+
+def test_curves_are_smoothed_without_bias_and_eval_points_are_drawn(tmp_path):
+    from specforge_core.training.plot import plot_curves, smoothed
+
+    assert smoothed([4.0, 4.0, 4.0], 0.9) == pytest.approx([4.0, 4.0, 4.0])  # debiased: no pull towards 0
+    ema = smoothed([0.0, 10.0], 0.5)
+    assert ema == pytest.approx([0.0, (0.5 * 0.0 * 0.5 + 0.5 * 10.0) / 0.75])
+    records = [{"step": s, "loss": 5.0 / s, "acc": s / 40} for s in range(1, 41)]
+    records += [{"step": 20, "eval/loss": 0.3, "eval/accept_len_sim": 2.0}, {"step": 40, "eval/accept_len_sim": 2.5}]
+    path = plot_curves(records, tmp_path / "curves.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

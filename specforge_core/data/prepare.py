@@ -6,6 +6,9 @@ One JSONL line is one row, in one of these forms (keys are looked for in this or
   ``{"role": ..., "content": ...}`` with role ``system`` / ``user`` / ``assistant``, or
   ShareGPT ``{"from": ..., "value": ...}`` with from ``system`` / ``human`` / ``gpt``
   (``human`` is read as ``user``, ``gpt`` as ``assistant``). Other keys are ignored.
+* ``{"prompt": "...", "response": "..."}`` (or ``"completion"`` for the reply), optionally
+  with ``"system"``: one user turn and its assistant reply. A prompt without a reply is a
+  conversation with no assistant turn (``specforge regenerate`` writes one).
 * ``{"input_ids": [...], "loss_mask": [...]}``, already tokenized: equal lengths,
   non-negative integer ids inside the tokenizer's vocabulary, mask values 0 or 1. Passed
   through as given (only truncated).
@@ -56,7 +59,7 @@ import json
 import os
 import sys
 from array import array
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import attrs
 
@@ -126,6 +129,8 @@ class PrepareReport:
     examples: list[str] = attrs.field(factory=list)
     tokens: int = 0
     supervised_tokens: int = 0
+    #: The distinct token ids among the supervised tokens (how much of the vocabulary the data teaches).
+    supervised_ids: set[int] = attrs.field(factory=set)
     #: Kept rows that lost their tail to ``max_length``.
     truncated: int = 0
     max_examples: int = 5
@@ -139,14 +144,15 @@ class PrepareReport:
         self.kept += 1
         self.tokens += len(sample.input_ids)
         self.supervised_tokens += sum(sample.loss_mask)
+        self.supervised_ids.update(t for t, m in zip(sample.input_ids, sample.loss_mask) if m)
         self.truncated += truncated
 
     def summary(self) -> str:
         """A few lines for a log: totals, skipped rows by reason (most first), first examples."""
         share = 100.0 * self.supervised_tokens / self.tokens if self.tokens else 0.0
-        lines = [f"{self.rows} rows: {self.kept} kept, {self.rows - self.kept} skipped; "
-                 f"{self.tokens} tokens, {self.supervised_tokens} supervised ({share:.1f}%); "
-                 f"{self.truncated} truncated to max_length"]
+        lines = [f"{self.rows} rows read: {self.kept} kept, {self.rows - self.kept} skipped; "
+                 f"{self.tokens} tokens, {self.supervised_tokens} supervised ({share:.1f}%, "
+                 f"{len(self.supervised_ids)} distinct); {self.truncated} truncated to max_length"]
         for reason, count in sorted(self.skipped.items(), key=lambda item: (-item[1], item[0])):
             lines.append(f"  skipped {count}: {reason}")
         lines.extend(f"  e.g. {example}" for example in self.examples)
@@ -165,24 +171,66 @@ def normalize_row(obj: Any) -> Union[Messages, TokenRow]:
     """
     if not isinstance(obj, dict):
         raise BadRowError(NOT_OBJECT, f"{NOT_OBJECT}: the line holds {_json_kind(obj)}")
-    for key in ("conversations", "messages"):
-        if key in obj:
-            return _normalize_conversation(obj[key], key)
     if "input_ids" in obj or "loss_mask" in obj:
         return _normalize_tokens(obj.get("input_ids"), obj.get("loss_mask"))
-    raise BadRowError(UNKNOWN_FORMAT, f"{UNKNOWN_FORMAT}: expected a 'conversations' or 'messages' list, or "
-                                      f"'input_ids' with 'loss_mask'; found keys {sorted(obj)}")
+    messages = conversation_messages(obj)
+    last_assistant = _check_turn_order(messages)
+    if last_assistant < 0:
+        raise BadRowError(NO_ASSISTANT, f"{NO_ASSISTANT}: the conversation has nothing to supervise")
+    return messages[:last_assistant + 1]
 
 
-def _normalize_conversation(items: Any, key: str) -> Messages:
+#: The row formats, by the key that identifies each (for messages and docs).
+ROW_FORMATS = ("'messages' (OpenAI: role/content)", "'conversations' (ShareGPT: from/value, or role/content)",
+               "'prompt' with 'response' or 'completion'", "'input_ids' with 'loss_mask' (pre-tokenized)")
+
+
+def row_format(obj: Any) -> str:
+    """Which conversation format a parsed row is in: ``messages``, ``conversations`` or ``prompt``.
+
+    Raises :class:`BadRowError` for anything else (pre-tokenized rows included: they hold no text).
+    """
+    if not isinstance(obj, dict):
+        raise BadRowError(NOT_OBJECT, f"{NOT_OBJECT}: the line holds {_json_kind(obj)}")
+    for key in ("conversations", "messages", "prompt"):
+        if key in obj:
+            return key
+    raise BadRowError(UNKNOWN_FORMAT, f"{UNKNOWN_FORMAT}: found keys {sorted(obj)}; expected one of "
+                                      f"{'; '.join(ROW_FORMATS)}")
+
+
+def conversation_messages(obj: Any) -> Messages:
+    """A parsed conversation row (any text format) as checked ``[{"role", "content"}, ...]``.
+
+    Roles alternate user/assistant after an optional system message; the conversation may
+    end on a user turn and may have no assistant turn at all (callers that train need one).
+    """
+    key = row_format(obj)
+    if key == "prompt":
+        return _prompt_messages(obj)
+    items = obj[key]
     if not isinstance(items, list):
         raise BadRowError(UNKNOWN_FORMAT, f"{UNKNOWN_FORMAT}: '{key}' must be a list of messages, "
                                           f"not {_json_kind(items)}")
     if not items:
         raise BadRowError(EMPTY_CONVERSATION, f"{EMPTY_CONVERSATION}: '{key}' is an empty list")
     messages = [_normalize_message(index, item) for index, item in enumerate(items)]
-    last_assistant = _check_turn_order(messages)
-    return messages[:last_assistant + 1]
+    _check_turn_order(messages)
+    return messages
+
+
+def _prompt_messages(obj: dict[str, Any]) -> Messages:
+    """``{"prompt", "response" | "completion", "system"?}`` as messages (no assistant turn without a reply)."""
+    reply_key = next((key for key in ("response", "completion") if key in obj), None)
+    fields = [("system", "system")] if "system" in obj else []
+    fields += [("prompt", "user")] + ([(reply_key, "assistant")] if reply_key else [])
+    messages = []
+    for key, role in fields:
+        value = obj[key]
+        if not isinstance(value, str):
+            raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE}: '{key}' must be a string, not {_json_kind(value)}")
+        messages.append({"role": role, "content": value})
+    return messages
 
 
 def _normalize_message(index: int, item: Any) -> dict[str, str]:
@@ -205,7 +253,7 @@ def _normalize_message(index: int, item: Any) -> dict[str, str]:
 
 
 def _check_turn_order(messages: Messages) -> int:
-    """Check system-first and user/assistant alternation; return the last assistant's index."""
+    """Check system-first and user/assistant alternation; return the last assistant's index (-1: none)."""
     first = 1 if messages[0]["role"] == "system" else 0
     last_assistant = -1
     for index in range(first, len(messages)):
@@ -220,8 +268,6 @@ def _check_turn_order(messages: Messages) -> int:
                                               "alternate user, assistant, user, ...)")
         if role == "assistant":
             last_assistant = index
-    if last_assistant < 0:
-        raise BadRowError(NO_ASSISTANT, f"{NO_ASSISTANT}: the conversation has nothing to supervise")
     return last_assistant
 
 
@@ -294,16 +340,33 @@ def _render_with_spans(tokenizer: Any, messages: Sequence[dict[str, str]],
                         f"messages[:{index + 1}]")
         if text.startswith(upto):
             # Whitespace after the end-of-turn marker is not generated by the model: leave it out.
-            spans.append((len(prompt), max(len(prompt), len(upto.rstrip()))))
-            continue
-        # The turn renders differently once later messages follow it (Qwen3-style templates
-        # drop the reasoning of assistant turns before the last user message). The turn
-        # still starts where its prompt ends; it ends at the template's end-of-turn marker.
-        end = _history_turn_end(tokenizer, messages, index, prompt, text)
-        if end is None:
-            _require_prefix(upto, text, index, f"messages[:{index + 1}]", "the whole conversation")
-        spans.append((len(prompt), end))
+            span = (len(prompt), max(len(prompt), len(upto.rstrip())))
+        else:
+            # The turn renders differently once later messages follow it (Qwen3-style templates
+            # drop the reasoning of assistant turns before the last user message). The turn
+            # still starts where its prompt ends; it ends at the template's end-of-turn marker.
+            end = _history_turn_end(tokenizer, messages, index, prompt, text)
+            if end is None:
+                _require_prefix(upto, text, index, f"messages[:{index + 1}]", "the whole conversation")
+            span = (len(prompt), end)
+        _require_reply_inside(text[span[0]:span[1]], messages[index]["content"], index)
+        spans.append(span)
     return text, spans
+
+
+def _require_reply_inside(turn: str, content: str, index: int) -> None:
+    """Refuse a turn whose supervised text does not end with the reply's own last words.
+
+    A template that rewrites or drops a reply's text would otherwise train the draft on the
+    template's words under the reply's mask. Only the tail of the reply's answer is compared:
+    templates may legitimately drop a reasoning block (``<think>...</think>``) or trim whitespace.
+    """
+    tail = content.rsplit("</think>", 1)[-1].strip()[-24:]
+    if tail and tail not in turn:
+        raise ChatTemplateError(
+            f"the chat template's rendering of assistant message {index} does not contain the end of its content "
+            f"({tail!r}); the supervised text would be {turn[:60]!r}. The template rewrites replies, so the loss "
+            "mask cannot follow them: fix the template, or pass pre-tokenized input_ids with loss_mask rows")
 
 
 _SENTINEL = "SpecforgeTurnSentinel7f3a"
@@ -393,10 +456,12 @@ def _truncate(ids: list[int], mask: list[int], max_length: int) -> tuple[list[in
 
 def iter_samples(path: str | os.PathLike[str], tokenizer: Any, *, max_length: int = 2048,
                  last_turn_only: bool = False, strict: bool = False,
-                 report: PrepareReport | None = None) -> Iterator[TokenizedSample]:
+                 report: PrepareReport | None = None,
+                 keep_line: Callable[[int], bool] | None = None) -> Iterator[TokenizedSample]:
     """Stream the samples of one JSONL file, one line at a time (constant memory).
 
-    Blank lines are not rows. Bad rows are skipped and counted in ``report`` (pass one to
+    Blank lines are not rows; with ``keep_line``, neither are lines for which it returns
+    False (another split's rows). Bad rows are skipped and counted in ``report`` (pass one to
     read the counts) or, when ``strict``, raised as :class:`BadRowError` naming ``file:line``.
     A :class:`ChatTemplateError` is always raised, prefixed with the ``file:line`` that
     revealed it.
@@ -413,7 +478,7 @@ def iter_samples(path: str | os.PathLike[str], tokenizer: Any, *, max_length: in
         raise DataError(f"cannot read data file {path}: {exc.strerror}") from exc
     with handle:
         for line_number, raw in enumerate(handle, 1):
-            if not raw.strip():
+            if not raw.strip() or (keep_line is not None and not keep_line(line_number)):
                 continue
             source = f"{path}:{line_number}"
             report.rows += 1

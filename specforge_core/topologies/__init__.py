@@ -16,6 +16,6 @@ trainer: ``target``, ``frozen_parts()``, ``stats()``, ``fingerprint``, ``train_l
 ``samples_per_rank(...)``, ``eval_loader_factory(...)``, ``ack``, ``start(skip, global_step)``
 and ``close()``; a stream consumer adds ``checkpointed(step)`` and ``finish(step)``, which the
 runtime calls when present, and a source with something to say about its data before training
-(rows skipped while preparing it, samples missing from a features directory) keeps it in
+(samples missing from a features directory; an online source prints its rows report as it reads them) keeps it in
 ``data_report``, which the runtime prints once.
 """

@@ -85,21 +85,6 @@ def supervised_token_counts(pairs: Iterable[tuple[Any, Any]], vocab_size: int) -
     return counts
 
 
-def data_paths(plan: Any, engine: Any) -> tuple[str, str | None]:
-    """Training and eval JSONL: the user's, or the engine's bundled default (toy target)."""
-    from ..errors import OptionError
-
-    train, evaluation = plan.data.path, plan.data.eval_path
-    if train is None:
-        default = getattr(engine, "default_data", lambda: None)()
-        if default is None:
-            raise OptionError("no training data: pass --data FILE (JSONL conversations); only the toy target "
-                              "ships bundled data")
-        train, default_eval = default
-        evaluation = evaluation or default_eval
-    return train, evaluation
-
-
 def capture_components(plan: Any, *, role: str) -> tuple[Any, Any, Any, Any, CapturePlan]:
     """(build context, strategy, target engine, target info, capture plan) of a capturing command."""
     from ..components import build_component
@@ -116,28 +101,63 @@ def capture_batch_size(plan: Any) -> int:
     return int(getattr(plan["target_engine"].options, "capture_batch_size", 8))
 
 
-def prepared_samples(plan: Any, engine: Any) -> tuple[list[Any], list[Any], str]:
-    """(train samples, eval samples, the train file's preparation report as a run prints it)."""
-    from ..data.prepare import prepare_file
+def prepared_samples(plan: Any, engine: Any, *, echo: bool = True) -> tuple[list[Any], list[Any], Any, Any]:
+    """(train samples, eval samples, the train rows' preparation report, the
+    :class:`~specforge_core.data.split.DataFiles`) for a capturing run.
 
-    train_path, eval_path = data_paths(plan, engine)
+    The eval samples are the eval file's, or the training file's held-out rows (see
+    :mod:`specforge_core.data.split`). With ``echo``, says on stderr what was read.
+    """
+    from ..data.prepare import prepare_file
+    from ..data.split import resolve_data_files
+
+    files = resolve_data_files(plan, engine)
     options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
-    samples, report = prepare_file(train_path, engine.tokenizer, **options)
+    samples, report = prepare_file(files.train_path, engine.tokenizer, keep_line=files.is_train_line, **options)
+    report_split("train", files, report, echo=echo)
     if plan.data.max_samples:
         samples = samples[: plan.data.max_samples]
-    if not samples:
-        raise SpecforgeError(f"{train_path} gave no usable training sample: {report.summary()}")
-    eval_samples = prepare_file(eval_path, engine.tokenizer, **options)[0] if eval_path else []
-    return samples, eval_samples, data_report_text(train_path, report)
+    eval_samples: list[Any] = []
+    if files.eval_path is not None:
+        eval_samples, eval_report = prepare_file(files.eval_path, engine.tokenizer, keep_line=files.is_eval_line,
+                                                 **options)
+        report_split("eval", files, eval_report, echo=echo)
+    return samples, eval_samples, report, files
 
 
-def data_report_text(path: Any, report: Any) -> str:
-    """One data file's preparation report for the log; says what to do when rows were skipped."""
-    text = f"data {path}: {report.summary()}"
-    if report.skipped:
-        text += ("\n  skipped rows are not trained: fix or remove them, or set data.strict=true to stop at the "
-                 "first bad row")
-    return text
+def report_split(split: str, files: Any, report: Any, *, echo: bool = True) -> None:
+    """Say what a split's file gave (with ``echo``, on stderr) and refuse a split without a usable sample.
+
+    An eval file the user named must give one; a held-out share may come out empty (the run
+    then says it has nothing to evaluate).
+    """
+    import sys
+
+    path = files.train_path if split == "train" else files.eval_path
+    if echo:
+        hint = ("\n  skipped rows are not trained: fix or remove them, or set data.strict=true to stop at the first "
+                "bad row") if report.skipped and report.kept else ""
+        print(f"{split} data {path}: {report.summary()}{hint}", file=sys.stderr, flush=True)
+    if report.kept == 0 and (split == "train" or not files.holdout):
+        what = "training sample" if split == "train" else "sample for the eval split"
+        raise SpecforgeError(f"{path} gave no usable {what}: {report.summary()}")
+
+
+def stored_eval_note(features: str, eval_refs: list[Any]) -> str:
+    """What a features directory's eval split is, for logs and ``summary.json``."""
+    if eval_refs:
+        return f"eval split: the {len(eval_refs)} eval samples of {features}"
+    return (f"no eval split: {features} holds no eval samples (capture with --eval-data FILE, or keep "
+            "data.eval_holdout above 0)")
+
+
+def stored_token_rows(store: Any, refs: list[Any], limit: int) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, loss_mask)`` of the first ``limit`` of ``refs`` as lists (the real check's prompts)."""
+    rows = []
+    for ref in refs[:limit]:
+        tensors = store.get(ref, ["input_ids", "loss_mask"])
+        rows.append((tensors["input_ids"].tolist(), tensors["loss_mask"].tolist()))
+    return rows
 
 
 def stream_sample_id(sample: Any, epoch: int) -> str:

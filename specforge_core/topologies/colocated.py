@@ -43,7 +43,9 @@ class OnlineSource:
         self.capture_plan = strategy.capture_plan(self.target)
         self._frozen = self.engine.frozen_parts()
         self.fingerprint = frozen_fingerprint(self._frozen)
-        self.samples, self.eval_samples, self.data_report = prepared_samples(plan, self.engine)
+        self.samples, self.eval_samples, self.report, files = prepared_samples(plan, self.engine,
+                                                                              echo=context.rank == 0)
+        self.eval_note = files.eval_note
         self.store = build("feature_store")
         self.control = build("control_plane")
         self.window = threading.BoundedSemaphore(window)
@@ -64,6 +66,10 @@ class OnlineSource:
 
     def samples_per_rank(self, world_size: int) -> int:
         return len(self.samples) // world_size
+
+    def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
+        return [(s.input_ids, s.loss_mask) for s in self.eval_samples[:limit]]
 
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
         self._seed, self._rank, self._world = seed, rank, world_size

@@ -16,7 +16,8 @@ from ..contracts import SampleRef
 from ..data.loader import FeatureDataLoader
 from ..errors import SpecforgeError
 from ..protocols import BuildContext
-from .capture import capture_components, capture_into, data_paths, eval_loader, supervised_token_counts
+from .capture import (capture_components, capture_into, eval_loader, report_split, stored_eval_note,
+                      stored_token_rows, supervised_token_counts)
 
 
 class OfflineSource:
@@ -38,6 +39,7 @@ class OfflineSource:
                                  f"--output {plan.features}`")
         self.fingerprint = self.features.fingerprint
         self.ack = None
+        self.eval_note = stored_eval_note(plan.features, self.eval_refs)
 
     def frozen_parts(self) -> dict[str, Any]:
         return self.features.frozen_parts()
@@ -57,6 +59,10 @@ class OfflineSource:
             return None
         return lambda: eval_loader(self.store, self.eval_refs, collate, batch_size, rank, world_size)
 
+    def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
+        return stored_token_rows(self.store, self.eval_refs, limit)
+
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Nothing to start: the loader seeks by itself on resume."""
 
@@ -70,34 +76,44 @@ def _store_bytes(path: Any) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
 
 
-
 def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, Any]:
     """``specforge capture``: write a features directory for ``plan``'s strategy; resumable."""
     from tqdm import tqdm
 
     from ..data.prepare import PrepareReport, iter_samples
+    from ..data.split import resolve_data_files
     from ..features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
     from ..options import options_to_dict
+    from ..threads import apply_threads
+
+    apply_threads(plan.train.threads)
     from ..run_directory import check_writable
 
     check_writable(plan.output, "features directory")
     context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
+    files = resolve_data_files(plan, engine)
+    splits = [(split, path, keep) for split, path, keep in (("train", files.train_path, files.is_train_line),
+                                                           ("eval", files.eval_path, files.is_eval_line)) if path]
+    options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
+    # A first pass tokenizes without capturing: the data report comes first, and a bad split is
+    # refused before anything is written.
+    for split, path, keep in splits:
+        report = PrepareReport()
+        for _ in iter_samples(path, engine.tokenizer, keep_line=keep, report=report, **options):
+            pass
+        report_split(split, files, report)
     name = plan["strategy"].spec.name
     root, store = create_feature_set(plan.output, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
                                      target=target, frozen_parts=engine.frozen_parts(), context=context)
     existing = {ref.sample_id: ref for ref in store.scan()}
-    train_path, eval_path = data_paths(plan, engine)
     counts: dict[str, int] = {}
     by_split: dict[str, list[SampleRef]] = {}
     reports: dict[str, Any] = {}
     tokens = minimum = 0
-    for split, path in (("train", train_path), ("eval", eval_path)):
-        if path is None:
-            continue
+    for split, path, keep in splits:
         report = PrepareReport()
-        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length,
-                               last_turn_only=plan.data.last_turn_only, strict=plan.data.strict, report=report)
+        samples = iter_samples(path, engine.tokenizer, keep_line=keep, report=report, **options)
         if split == "train" and plan.data.max_samples:
             samples = (s for i, s in zip(range(plan.data.max_samples), samples))
         with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
@@ -119,6 +135,7 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
         "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,
         "bytes_per_token": stored / tokens if tokens else 0.0,
         "ratio_to_unpadded_minimum": stored / minimum if minimum else 0.0, "data": reports,
+        "eval_split": files.eval_note,
     }
     finish_feature_set(root, {split: [ref.sample_id for ref in refs] for split, refs in by_split.items()},
                        {"capture": {k: v for k, v in result.items() if k != "output"}})

@@ -53,14 +53,20 @@ def build_optimizer(model: torch.nn.Module, train: TrainOptions) -> torch.optim.
     return torch.optim.AdamW(params, **kwargs)
 
 
+def warmup_steps(train: TrainOptions, total_steps: int) -> int:
+    """The warmup length: ``train.warmup_steps`` when set, else ``warmup_ratio`` of the planned steps."""
+    return train.warmup_steps or round(train.warmup_ratio * total_steps)
+
+
 def lr_factor(step: int, train: TrainOptions, total_steps: int) -> float:
     """Multiplier of the peak LR for optimizer step ``step`` (0-based)."""
-    if train.warmup_steps and step < train.warmup_steps:
-        return (step + 1) / train.warmup_steps
+    warmup = warmup_steps(train, total_steps)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
     if train.schedule == "constant":
         return 1.0
-    decay_steps = max(1, total_steps - train.warmup_steps)
-    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
     floor = train.min_lr_ratio
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

@@ -15,8 +15,22 @@ def _is_accept(name: str) -> bool:
     return "accept" in name or "tau" in name
 
 
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """An exponential moving average with TensorBoard's debiasing (the first points are not pulled to 0)."""
+    out, average = [], 0.0
+    for index, value in enumerate(values, 1):
+        average = weight * average + (1.0 - weight) * value
+        out.append(average / (1.0 - weight ** index))
+    return out
+
+
 def plot_curves(records: list[dict[str, Any]], path: str | Path) -> Path:
-    """Draw loss, accuracy and acceptance-length metrics against the optimizer step."""
+    """Draw loss, accuracy and acceptance-length metrics against the optimizer step.
+
+    Training metrics are drawn faintly as logged, with a smoothed line over them (an
+    exponential moving average sized to the run's length); eval metrics (``eval/...``) are
+    points with a line between them.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,9 +43,17 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path) -> Path:
         for name in names:
             points = [(r["step"], r[name]) for r in records if name in r and r[name] is not None
                       and not (isinstance(r[name], float) and math.isnan(r[name]))]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, label=name, marker="." if len(points) < 30 else None)
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            if name.startswith("eval/"):
+                ax.plot(xs, ys, label=name, marker="o", markersize=4)
+            elif len(points) < 10:
+                ax.plot(xs, ys, label=name, marker=".")
+            else:
+                line, = ax.plot(xs, ys, alpha=0.25, linewidth=0.8)
+                weight = min(0.98, 1.0 - 5.0 / len(points))  # about a twentieth of the run per time constant
+                ax.plot(xs, smoothed(list(ys), weight), color=line.get_color(), label=f"{name} (smoothed)")
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         if names:

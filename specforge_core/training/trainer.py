@@ -35,7 +35,8 @@ class TrainerState:
     global_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    tokens: int = 0
+    tokens: int = 0  # every token of the trained samples (prompts included)
+    supervised_tokens: int = 0  # the target tokens trained on (loss_mask == 1)
     best_value: float | None = None
     best_step: int | None = None
 
@@ -89,6 +90,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self._names: list[str] | None = None
         self._resumed = False
+        self._evaluated_at = self._saved_at = -1  # the global step of the last evaluation and checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ resume
@@ -115,7 +117,7 @@ class Trainer:
         self.model.train()
         progress = self._progress()
         started = time.perf_counter()
-        tokens_at_start = state.tokens
+        tokens_at_start = state.supervised_tokens, state.tokens
         window = _Window()
         done = state.global_step >= self.total_steps
         while not done:
@@ -150,7 +152,10 @@ class Trainer:
                 break
         if progress is not None:
             progress.close()
-        return self._finish(time.perf_counter() - started, state.tokens - tokens_at_start)
+        if 0 < state.global_step < self.total_steps:
+            self._close_early_end()
+        return self._finish(time.perf_counter() - started, state.supervised_tokens - tokens_at_start[0],
+                            state.tokens - tokens_at_start[1])
 
     def _optimizer_step(self, window: _Window, progress: Any) -> None:
         state, train = self.state, self.train
@@ -167,6 +172,7 @@ class Trainer:
             self.ack(window.sample_ids, state.global_step)
         record = self._reduce(window, float(grad_norm), lr)
         state.tokens += int(record.pop("_tokens"))
+        state.supervised_tokens += int(record.pop("_supervised"))
         self.last_train = record
         if state.global_step % train.log_every == 0 or state.global_step == self.total_steps:
             self.metrics.write(record)
@@ -187,11 +193,23 @@ class Trainer:
         if final or (train.save_every and state.global_step % train.save_every == 0) or (evaluate and is_best):
             self.save(is_best=is_best)
 
+    def _close_early_end(self) -> None:
+        """The data ran out before ``total_steps`` (e.g. max_steps above what one stream holds): evaluate and
+        checkpoint the last step as a planned end would, so the summary's figures describe the weights that
+        are exported."""
+        step = self.state.global_step
+        is_best = False
+        if self.evaluator is not None and self._evaluated_at != step:
+            is_best = self._evaluate()
+        if self._saved_at != step:
+            self.save(is_best=is_best)
+
     def _reduce(self, window: _Window, grad_norm: float, lr: float) -> dict[str, Any]:
         """One all-reduce for every metric of the window: Σnum / Σden across micro-batches and ranks."""
         pool = window.pool
         # Per-rank totals are pooled as (x, 1): the pooled value is their mean over ranks.
         pool.add({"_loss": (window.loss_sum, window.micro_steps), "_tokens": (window.tokens, 1.0),
+                  "_supervised": (window.supervised, 1.0),
                   "_wait_s": (window.wait_s, 1.0), "_elapsed_s": (time.perf_counter() - window.start, 1.0)})
         pool.add({name: (num, den) for name, (num, den) in window.plain.items()})
         if self._names is None:
@@ -202,19 +220,25 @@ class Trainer:
         values.setdefault("loss", values["_loss"])
         values.pop("_loss")
         total_tokens = values.pop("_tokens") * self.info.world_size
+        supervised = values.pop("_supervised") * self.info.world_size
         wait, elapsed = values.pop("_wait_s"), max(values.pop("_elapsed_s"), 1e-9)
+        # tokens_per_s counts the supervised target tokens trained on, all ranks together;
+        # sequence_tokens_per_s every token of the samples (prompts included).
         record = {"step": self.state.global_step, "epoch": self.state.epoch, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": total_tokens / elapsed, "data_wait_fraction": wait / elapsed,
-                  "_tokens": total_tokens}
+                  "tokens_per_s": supervised / elapsed, "sequence_tokens_per_s": total_tokens / elapsed,
+                  "data_wait_fraction": wait / elapsed, "_tokens": total_tokens, "_supervised": supervised}
         record.update(values)
         record.update(derived_metrics(self.strategy, values))
         return record
 
     def _evaluate(self) -> bool:
         state = self.state
+        self._evaluated_at = state.global_step
         values = self.evaluator.run(self.model, global_step=state.global_step, total_steps=self.total_steps)
         self.last_eval = {f"eval/{k}": v for k, v in values.items()}
         self.metrics.write({"step": state.global_step, **self.last_eval})
+        if self.info.is_main and self.hooks is not None:
+            self.hooks.specforge_eval_end(run_id=self.run_id, global_step=state.global_step, metrics=dict(values))
         value = values.get(self.best_metric, float("nan"))
         if _is_better(value, state.best_value, self.best_mode):
             state.best_value, state.best_step = value, state.global_step
@@ -231,6 +255,7 @@ class Trainer:
         }
         path = self.checkpoints.save(global_step=self.state.global_step, model=self.model, optimizer=self.optimizer,
                                      trainer_state=trainer_state, is_best=is_best)
+        self._saved_at = self.state.global_step
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.state.global_step)
         if self.info.is_main and self.hooks is not None:
@@ -245,7 +270,7 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.state.global_step, desc=f"train {self.run_id}",
                     unit="step", dynamic_ncols=True, mininterval=0.5)
 
-    def _finish(self, elapsed: float, tokens: int) -> dict[str, Any]:
+    def _finish(self, elapsed: float, supervised: int, tokens: int) -> dict[str, Any]:
         state = self.state
         summary = {
             "run_id": self.run_id,
@@ -253,7 +278,9 @@ class Trainer:
             "total_steps": self.total_steps,
             "epochs_completed": state.epoch,
             "tokens": state.tokens,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "supervised_tokens": state.supervised_tokens,
+            "tokens_per_s": supervised / elapsed if elapsed > 0 else 0.0,
+            "sequence_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed,
             "final": {k: v for k, v in self.last_train.items()},
             "final_eval": dict(self.last_eval),
@@ -283,6 +310,7 @@ class _Window:
         self.micro_steps = 0
         self.loss_sum = 0.0
         self.tokens = 0
+        self.supervised = 0
         self.wait_s = 0.0
         self.start = time.perf_counter()
         self.sample_ids: list[str] = []
@@ -293,6 +321,8 @@ class _Window:
         self.micro_steps += 1
         self.loss_sum += float(out.loss.detach())
         self.tokens += int(batch.num_tokens)
+        mask = batch.tensors.get("loss_mask")
+        self.supervised += int(mask.sum()) if mask is not None else int(batch.num_tokens)
         self.sample_ids.extend(batch.sample_ids)
         self.pool.add(out.ratio_metrics)
         for name, value in out.metrics.items():

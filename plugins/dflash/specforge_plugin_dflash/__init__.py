@@ -82,13 +82,16 @@ class DFlashOptions:
         0.5, "D-PACE smoothing: a position's confidence is (1-alpha)·exp(-CE) + alpha (0: the raw probability, "
              "1: every position counts fully).", check=fraction)
     mask_token_id: int | None = option(
-        None, "Token id filling the drafted positions of a block. null = resolved in this order: the "
-              "target's mask token (TargetInfo.extra['mask_token_id']); the first embedding row the "
-              "tokenizer never produces (extra['tokenizer_size'] when it is below the vocab size, what the "
-              "published Qwen3 drafts use); the pad token; the unk token; vocab_size - 1.", check=non_negative)
+        None, "Token id filling the drafted positions of a block; never EOS, pad or another special token. "
+              "null = the tokenizer's mask token; else the first embedding row the tokenizer never produces "
+              "(what the published Qwen3 drafts use); else the highest id that is not a special token, refused "
+              "if the training data supervises it.", check=non_negative)
     logit_chunk_size: int = option(
         16, "Blocks per logits chunk in the loss, so the [blocks*block_size, vocab] logits never exist at "
             "once (each chunk is recomputed in backward).", check=positive)
+    eval_anchor_chunk: int = option(
+        32, "Evaluation drafts a block at every valid anchor to replay decoding (accept_len_sim); this many "
+            "anchors per sample go through the draft at once.", check=positive)
     seed: int = option(0, "Seed of anchor sampling; anchors depend on (seed, global step, sample id) only, so "
                           "a resumed run draws the same anchors.")
     attention: str = option("sdpa", "Attention kernel (both take the explicit block mask).",
@@ -112,8 +115,10 @@ DFLASH_SPEC = StrategySpec(
     description="DFlash: a block of tokens drafted in one non-causal pass over the target's hidden states.",
     requires={"aux_hidden_states"},
     export_formats=("sglang", "vllm", "speculators"),
-    best_metric="accept_len",
+    best_metric="accept_len_sim",
     best_mode="max",
+    # SpecForge's DFlash recipes (e.g. Qwen2.5-0.5B and Qwen3-8B online: lr 6e-4, warmup_ratio 0.04).
+    suggested_train={"lr": 6e-4, "warmup_ratio": 0.04},
 )
 
 
@@ -121,7 +126,7 @@ def variant_spec(name: str, factory: str, options: type, description: str, *,
                  requires: frozenset[str] | set[str] = frozenset(),
                  export_formats: tuple[str, ...] | None = None) -> StrategySpec:
     """The spec of a strategy built on DFlash (Domino, DSpark): DFlash's engine requirements (plus
-    ``requires``) and best checkpoint metric (``accept_len``, the variant's own), with its name,
+    ``requires``) and best checkpoint metric (``accept_len_sim``, the variant's own) and recipe train defaults, with its name,
     factory, options and description, and the serving formats it writes (default: DFlash's)."""
     return attrs.evolve(DFLASH_SPEC, name=name, factory=factory, options=options, description=description,
                         requires=DFLASH_SPEC.requires | set(requires),

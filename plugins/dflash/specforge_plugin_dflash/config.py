@@ -52,28 +52,65 @@ def check_target_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     return list(ids)
 
 
-def resolve_mask_token_id(explicit: int | None, vocab_size: int, extra: Mapping[str, Any]) -> int:
-    """The token id filling a block's drafted positions.
+def special_token_ids(extra: Mapping[str, Any]) -> set[int]:
+    """The target's special tokens in use: EOS (one or several), pad, BOS, unk and every other special id."""
+    ids: set[int] = set()
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id", "special_token_ids"):
+        value = extra.get(key)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return ids
 
-    Order: ``explicit`` (the option); ``extra["mask_token_id"]`` (the tokenizer's own mask
-    token); the first embedding row the tokenizer never produces, ``extra["tokenizer_size"]``
-    when it is below ``vocab_size`` (the published Qwen3 drafts add ``<|MASK|>`` there);
-    ``extra["pad_token_id"]``; ``extra["unk_token_id"]``; ``vocab_size - 1``.
+
+def resolve_mask_token_id(explicit: int | None, vocab_size: int, extra: Mapping[str, Any]) -> int:
+    """The token id filling a block's drafted positions: never EOS, pad or another special token in use.
+
+    Order: ``explicit`` (the option, taken as given); ``extra["mask_token_id"]`` (the
+    tokenizer's own mask token); the first embedding row the tokenizer never produces,
+    ``extra["tokenizer_size"]`` when it is below ``vocab_size`` (the published Qwen3 drafts add
+    ``<|MASK|>`` there); else the highest id that is not a special token (a rare ordinary
+    token: tokenizers put merges learned last at the end). A tokenizer without a free token
+    (SmolLM2's pads with its EOS ``<|im_end|>``) gets that last choice; the draft then checks it
+    against the training data (:func:`check_mask_token`).
     """
+    if explicit is not None:
+        _check_id("option 'strategy.mask_token_id'", explicit, vocab_size)
+        return explicit
+    own = extra.get("mask_token_id")
+    if own is not None:
+        _check_id("the target's mask_token_id", own, vocab_size)
+        return own
+    special = special_token_ids(extra)
     tokenizer_size = extra.get("tokenizer_size")
-    unused_row = tokenizer_size if isinstance(tokenizer_size, int) and tokenizer_size < vocab_size else None
-    for source, value in (("option 'strategy.mask_token_id'", explicit),
-                          ("the target's mask_token_id", extra.get("mask_token_id")),
-                          ("the first unused embedding row", unused_row),
-                          ("the target's pad_token_id", extra.get("pad_token_id")),
-                          ("the target's unk_token_id", extra.get("unk_token_id"))):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
-            raise DFlashConfigError(f"{source} is {value!r}, not a token id of the target's vocabulary "
-                                    f"(0..{vocab_size - 1}); set strategy.mask_token_id")
-        return value
-    return vocab_size - 1
+    if isinstance(tokenizer_size, int) and tokenizer_size < vocab_size:
+        return tokenizer_size
+    candidate = vocab_size - 1
+    while candidate in special and candidate > 0:
+        candidate -= 1
+    return candidate
+
+
+def mask_token_for_data(mask_token_id: int, token_counts: Any, extra: Mapping[str, Any]) -> int:
+    """``mask_token_id``, or, when the training data supervises it, the highest id that is neither a
+    special token nor in the data (``token_counts [V]``: supervised counts; None: not known).
+
+    A mask token the draft must also predict confuses its "fill this position" input with a
+    real token. The tokenizer's own mask token and an unused embedding row never collide.
+    """
+    if token_counts is None or int(token_counts[mask_token_id]) == 0:
+        return mask_token_id
+    special = special_token_ids(extra)
+    for candidate in range(len(token_counts) - 1, -1, -1):
+        if candidate not in special and int(token_counts[candidate]) == 0:
+            return candidate
+    raise DFlashConfigError("every token id of the target's vocabulary is special or supervised by the training "
+                            "data, so no mask token is free; set strategy.mask_token_id")
+
+
+def _check_id(source: str, value: Any, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise DFlashConfigError(f"{source} is {value!r}, not a token id of the target's vocabulary "
+                                f"(0..{vocab_size - 1}); set strategy.mask_token_id")
 
 
 @attrs.frozen(kw_only=True)

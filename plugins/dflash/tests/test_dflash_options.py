@@ -1,14 +1,15 @@
 """Options, defaults (target layers, mask token, draft size) and the registered spec."""
 
 import pytest
+import torch
 
 from specforge_core.errors import OptionError
 from specforge_core.options import build_options
-from specforge_core.protocols import TargetInfo
+from specforge_core.protocols import DataStats, TargetInfo
 
 from specforge_plugin_dflash import DFlashOptions
 from specforge_plugin_dflash.config import (DFlashConfig, DFlashConfigError, default_target_layer_ids,
-                                            resolve_mask_token_id)
+                                            mask_token_for_data, resolve_mask_token_id)
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 
@@ -95,9 +96,38 @@ def test_mask_token_resolution_order():
     assert resolve_mask_token_id(7, 100, {"mask_token_id": 3}) == 7
     assert resolve_mask_token_id(None, 100, {"mask_token_id": 3, "tokenizer_size": 90, "pad_token_id": 0}) == 3
     assert resolve_mask_token_id(None, 100, {"tokenizer_size": 90, "pad_token_id": 0}) == 90  # unused row
-    assert resolve_mask_token_id(None, 100, {"tokenizer_size": 100, "pad_token_id": 0, "unk_token_id": 1}) == 0
-    assert resolve_mask_token_id(None, 100, {"unk_token_id": 1}) == 1
+    assert resolve_mask_token_id(None, 100, {"tokenizer_size": 100, "pad_token_id": 0, "unk_token_id": 1}) == 99
     assert resolve_mask_token_id(None, 100, {}) == 99
+
+
+def test_a_tokenizer_without_a_free_token_never_gets_its_eos_pad_or_specials_as_mask():
+    # SmolLM2's tokenizer: every embedding row is a token, no mask token, pad is EOS (<|im_end|>)
+    smol = {"tokenizer_size": 100, "eos_token_id": 2, "pad_token_id": 2, "bos_token_id": 1, "unk_token_id": 0,
+            "special_token_ids": [0, 1, 2, 97, 98, 99]}
+    mask = resolve_mask_token_id(None, 100, smol)
+    assert mask == 96 and mask not in {0, 1, 2, 97, 98, 99}
+    counts = torch.zeros(100, dtype=torch.long)
+    assert mask_token_for_data(mask, counts, smol) == 96  # the data never supervises it: kept
+    counts[90:97] = 3  # the data uses 90..96: the highest id neither special nor in the data
+    assert mask_token_for_data(mask, counts, smol) == 89
+    counts[:] = 1
+    with pytest.raises(DFlashConfigError, match="no mask token is free; set strategy.mask_token_id"):
+        mask_token_for_data(mask, counts, smol)
+
+
+def test_build_model_records_the_mask_token_it_chose_from_the_data(capsys):
+    target = TargetInfo(num_layers=4, hidden_size=8, vocab_size=100,
+                        extra={"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 16,
+                               "tokenizer_size": 100, "eos_token_id": 2, "pad_token_id": 2,
+                               "special_token_ids": [0, 1, 2]})
+    counts = torch.zeros(100, dtype=torch.long)
+    counts[95:] = 1
+    strategy = DFlashStrategy(DFlashOptions(target_layer_ids=[1, 2]))
+    model = strategy.build_model(target, {"embed_tokens": torch.zeros(100, 8), "lm_head": torch.zeros(100, 8)},
+                                 DataStats(token_counts=counts, num_samples=2))
+    assert model.config.mask_token_id == 94 and strategy.options.mask_token_id == 94
+    assert "dflash: mask token 94 (the highest id that is no special token and not in the training data" in \
+        capsys.readouterr().err
     with pytest.raises(DFlashConfigError, match="option 'strategy.mask_token_id' is 100, not a token id"):
         resolve_mask_token_id(100, 100, {})
 
@@ -106,6 +136,6 @@ def test_the_strategy_is_registered_with_its_requirements(plugin_manager):
     spec = plugin_manager.get("strategy", "dflash")
     assert spec.provenance.distribution == "specforge-plugin-dflash"
     assert spec.requires == {"aux_hidden_states"}
-    assert (spec.best_metric, spec.best_mode) == ("accept_len", "max")
+    assert (spec.best_metric, spec.best_mode) == ("accept_len_sim", "max")
     assert spec.options is DFlashOptions
     assert isinstance(spec.load_factory()(DFlashOptions(), None), DFlashStrategy)

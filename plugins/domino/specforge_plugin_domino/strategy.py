@@ -87,4 +87,17 @@ class DominoStrategy(DFlashStrategy):
                   **block_metrics(predictions[..., bs:], blocks.labels, **metrics),
                   **block_metrics(predictions[..., :bs], blocks.labels, prefix="base_", **metrics),
                   **no_anchor_samples(blocks.num_valid)}
+        if not ctx.training:
+            ratios.update(self.simulated_acceptance(model, batch, label_shift=head.label_shift))
         return StepOutput(loss=loss, metrics={"lambda": lam}, ratio_metrics=ratios)
+
+    def block_predictions(self, model: DominoBackbone, batch: TrainBatch, blocks: Any) -> torch.Tensor:
+        """The corrected (final) head's drafted token at every block position, ``[B, N, bs]``."""
+        hidden = self.block_hidden(model, batch, blocks)
+        states = model.block_states(blocks.tokens)
+        chunk = self.options.logit_chunk_size
+        out = []
+        for start in range(0, hidden.shape[1], chunk):
+            part = hidden[:, start:start + chunk]
+            out.append(model.final_logits(model.logits(part), part, states[:, start:start + chunk]).argmax(-1))
+        return torch.cat(out, dim=1)

@@ -68,7 +68,7 @@ def test_a_block_with_no_corrected_drafted_position_is_refused_before_the_model_
 def test_the_spec_is_domino_with_dflash_requirements_and_the_final_heads_acceptance_as_best():
     (spec,) = specforge_strategies()
     assert (spec.name, spec.options, spec.requires, spec.best_metric, spec.best_mode) == (
-        "domino", DominoOptions, {"aux_hidden_states"}, "accept_len", "max")
+        "domino", DominoOptions, {"aux_hidden_states"}, "accept_len_sim", "max")
     assert spec.factory == "specforge_plugin_domino.strategy:DominoStrategy"
 
 

@@ -21,7 +21,7 @@ network, export functions and drafting step swapped in).
 from __future__ import annotations
 
 import functools
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
@@ -127,7 +127,19 @@ class DSparkStrategy(DFlashStrategy):
                   "tau_probabilistic": probabilistic_acceptance(accept, mask, blocks.keep),
                   "confidence_error": (float(((confidence - accept).abs() * mask).sum()), float(mask.sum())),
                   **no_anchor_samples(blocks.num_valid)}
+        if not ctx.training:
+            ratios.update(self.simulated_acceptance(model, batch, label_shift=LABEL_SHIFT))
         return StepOutput(loss=loss, ratio_metrics=ratios)
+
+    def block_predictions(self, model: DSparkBackbone, batch: TrainBatch, blocks: Any) -> torch.Tensor:
+        """The drafted token at every block slot, ``[B, N, bs]``: the block logits plus the Markov bias of the
+        token before each slot. Teacher-forced tokens equal the drafted ones up to the first miss, which is
+        all an accepted prefix depends on."""
+        hidden = self.block_hidden(model, batch, blocks)
+        chunk = self.options.logit_chunk_size
+        return torch.cat([(model.logits(hidden[:, start:start + chunk])
+                           + model.markov_head(blocks.tokens[:, start:start + chunk])[1]).argmax(-1)
+                          for start in range(0, hidden.shape[1], chunk)], dim=1)
 
     # ------------------------------------------------------------------ serving
     def drafter(self) -> DraftFn:

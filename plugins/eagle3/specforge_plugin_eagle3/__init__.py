@@ -25,7 +25,9 @@ def specforge_strategies():
                         "test-time-training unroll; exports a LlamaForCausalLMEagle3 folder SGLang and vLLM serve.",
             requires={"aux_hidden_states", "last_hidden"},
             export_formats=("sglang", "vllm", "speculators"),
-            best_metric="tau_sim",
+            best_metric="accept_len_sim",
             best_mode="max",
+            # SpecForge's EAGLE3 recipes (lr 1e-4; warmup_ratio 0.015, its schema default).
+            suggested_train={"lr": 1e-4, "warmup_ratio": 0.015},
         )
     ]

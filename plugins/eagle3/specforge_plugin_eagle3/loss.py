@@ -22,14 +22,56 @@ from .model import Eagle3Draft, shift_left
 
 
 def align(input_ids: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor,
-          attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shift ids and last_hidden left by one; keep loss_mask but zero each sample's last position.
+          attention_mask: torch.Tensor, positions: str = "reference") -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """Shift ids and last_hidden left by one, and say which positions are supervised.
 
     After this, position t pairs the aux features of token t with token t+1 and the target's
-    distribution at t+1. ``loss_mask * shift_left(attention_mask)`` zeroes exactly the last
-    real position of every (right-padded) row: it has no token t+1.
+    distribution at t+1 (whose argmax is token t+2). Which positions train (``positions``):
+
+    * ``"reference"`` (ALGORITHMS.md, SpecForge): the loss mask unshifted, each sample's last
+      real position zeroed (``loss_mask * shift_left(attention_mask)``: it has no token t+1);
+    * ``"decode"``: the positions speculative decoding drafts from, ``loss_mask[t+1] *
+      loss_mask[t+2]``. A round drafts after the target's last token t+1; that token is a
+      response token that is not the turn's last (after the last, decoding stops), and the
+      first draft, token t+2, is a response token. The reference mask trains position t
+      when token t is a response token: it never trains the round after the first response
+      token (position r-1, which decoding runs once per reply) and trains two positions
+      drafting past the end-of-turn token, which decoding never runs.
     """
-    return shift_left(input_ids), loss_mask * shift_left(attention_mask), shift_left(last_hidden)
+    if positions == "decode":
+        mask = shift_left(loss_mask) * shift_left(loss_mask, 2)
+    else:
+        mask = loss_mask * shift_left(attention_mask)
+    return shift_left(input_ids), mask, shift_left(last_hidden)
+
+
+@torch.no_grad()
+def simulated_acceptance(step_logits: list[torch.Tensor], target_ids: torch.Tensor, response: torch.Tensor,
+                         d2t: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """``accept_len_sim`` and ``accept_rate_k``: greedy decoding replayed over the batch's responses.
+
+    ``step_logits[k][:, t]`` drafts token t+2+k (aligned: ``target_ids[:, t+k]`` is the target's
+    choice there); ``response [B, S]`` is the unshifted loss mask. A round whose bonus token is
+    at position j runs from aligned position j-1 and accepts the leading steps whose draft
+    equals the target's choice and lies inside the response (see
+    :func:`specforge_core.acceptance.simulated_decode`).
+    """
+    from specforge_core.acceptance import leading_true, simulated_decode
+
+    b, s = target_ids.shape
+    depth = len(step_logits)
+    inside = response.bool()
+    correct = torch.zeros(b, s, depth, dtype=torch.bool, device=target_ids.device)
+    for k, logits in enumerate(step_logits):
+        n = s - k - 2  # positions whose draft token t+2+k exists
+        if n <= 0:
+            break
+        draft = logits[:, :n].argmax(-1)
+        correct[:, :n, k] = (draft + d2t[draft] == target_ids[:, k:k + n]) & inside[:, k + 2:k + 2 + n]
+    accepted = torch.zeros(b, s, dtype=torch.long, device=target_ids.device)
+    accepted[:, 1:] = leading_true(correct)[:, :-1]  # the bonus at j drafts from aligned position j-1
+    return simulated_decode(accepted, inside, depth)
 
 
 @torch.no_grad()
@@ -127,11 +169,12 @@ def ttt_loss(step_logits: list[torch.Tensor], p_t: torch.Tensor, target_ids: tor
 
 
 def tau_sim(pooled: Mapping[str, float]) -> float:
-    """Simulated acceptance length ``sum_k prod_(i<=k) acc_i`` from pooled ``acc_k`` values.
+    """The former simulated figure ``sum_k prod_(i<=k) acc_i`` from pooled ``acc_k`` values (bonus excluded).
 
     ``pooled["acc_k"]`` is the pooled ratio sum(num) / sum(den). The sum stops at the first
-    step with no value (missing or NaN: no supervised position that deep). Add 1 for the
-    bonus token when comparing with serving acceptance lengths. NaN without ``acc_0``.
+    step with no value (missing or NaN: no supervised position that deep). NaN without
+    ``acc_0``. It overstates real acceptance on short replies (per-step accuracies pooled
+    over positions decoding jumps over, no end of the reply): ``accept_len_sim`` replaces it.
     """
     if not _finite(pooled.get("acc_0")):
         return float("nan")

@@ -43,8 +43,14 @@ class Eagle3Options:
     ttt_length: int = option(7, "Test-time-training unroll steps K: the draft is trained to predict K tokens "
                                 "ahead, each step feeding its own hidden state to the next.", check=positive)
     draft_vocab_size: int | None = option(
-        None, "Draft vocabulary size Vd: the Vd most frequent supervised tokens of the training data. "
-              "None = min(target vocab, 32000); equal to the target vocab means no mapping.", check=positive)
+        None, "Draft vocabulary size Vd: the Vd most frequent supervised tokens of the training data; equal to "
+              "the target vocab means no mapping. None = sized from the data: the fewest tokens that cover "
+              "draft_vocab_coverage of the supervised tokens, rounded up to a multiple of 64, at most 32000 "
+              "(the draft's lm_head is a large share of a CPU step: 32000 cost 3.6x the step time of 8192 on "
+              "SmolLM2-135M).", check=positive)
+    draft_vocab_coverage: float = option(
+        0.99, "With draft_vocab_size None: the share of the training data's supervised tokens the draft "
+              "vocabulary must cover.", check=lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]")
     aux_layer_ids: tuple[int, ...] | None = option(
         None, "The three target layers fused by fc (layer id i = output of decoder layer i = the hidden state "
               "entering layer i+1, the serving engines' convention; at most L-2, since SGLang and vLLM capture "
@@ -57,6 +63,11 @@ class Eagle3Options:
                                            check=positive)
     spec_depth: int | None = option(None, "Draft tokens proposed per verification round when measuring real "
                                           "acceptance (speculate). None = ttt_length.", check=positive)
+    loss_positions: str = option(
+        "decode", "Which positions train. decode: those speculative decoding drafts from (after each response "
+                  "token but the last, the first round after the prompt included). reference: ALGORITHMS.md's and "
+                  "SpecForge's unshifted loss mask, which skips the first round of every reply and trains two "
+                  "positions past its end.", choices=("decode", "reference"))
     dtype: str = option("float32", "dtype of the trainable draft weights (and of the export). The frozen "
                                    "target embedding and lm_head keep the target's dtype.",
                         choices=("float32", "bfloat16"))
@@ -93,8 +104,26 @@ def resolve_aux_layer_ids(options: Eagle3Options, num_layers: int) -> tuple[int,
     return ids
 
 
+#: The largest draft vocabulary sized from the data (the published recipes' size).
+MAX_DATA_SIZED_VOCAB = 32000
+
+
+def data_sized_vocab(token_counts: Any, coverage: float, vocab_size: int) -> int:
+    """The fewest most-frequent tokens covering ``coverage`` of the supervised tokens counted in
+    ``token_counts [V]``, rounded up to a multiple of 64, capped at 32000 and at ``vocab_size``."""
+    import torch
+
+    counts = torch.as_tensor(token_counts).flatten().long()
+    total = int(counts.sum())
+    if total == 0:
+        return min(vocab_size, MAX_DATA_SIZED_VOCAB)
+    covered = torch.sort(counts, descending=True).values.cumsum(0)
+    needed = int(torch.searchsorted(covered, torch.tensor(coverage * total - 1e-9)).item()) + 1
+    return min(vocab_size, MAX_DATA_SIZED_VOCAB, -(-needed // 64) * 64)
+
+
 def resolve_draft_vocab_size(options: Eagle3Options, vocab_size: int) -> int:
-    """Vd for a target vocabulary of ``vocab_size``: the option, or min(V, 32000)."""
+    """Vd for a target vocabulary of ``vocab_size``: the option, or (before the data is seen) min(V, 32000)."""
     if options.draft_vocab_size is None:
         return min(vocab_size, 32000)
     if options.draft_vocab_size > vocab_size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
+import attrs
 import torch
 
 from specforge_core.contracts import FeatureSpec, StepOutput, TrainBatch
@@ -20,9 +21,9 @@ from specforge_core.protocols import BuildContext, CapturePlan, DataStats, Specu
 from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
 from .export import export_draft, load_draft
-from .loss import align, tau_sim, teacher, ttt_loss
+from .loss import align, simulated_acceptance, tau_sim, teacher, ttt_loss
 from .model import Eagle3Config, Eagle3Draft
-from .options import Eagle3Options, resolve_aux_layer_ids, resolve_draft_vocab_size
+from .options import Eagle3Options, data_sized_vocab, resolve_aux_layer_ids, resolve_draft_vocab_size
 from .speculate import speculate
 from .vocab import build_vocab_mapping
 
@@ -85,6 +86,8 @@ class Eagle3Strategy:
         if missing:
             raise SpecforgeError(f"eagle3 needs the target's frozen {' and '.join(missing)}; the target engine gave "
                                  f"only {sorted(frozen_parts)}")
+        if self.options.draft_vocab_size is None and stats.token_counts is not None:
+            self._size_vocab_from(stats.token_counts, target.vocab_size)
         config = self.draft_config(target)
         model = Eagle3Draft(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"])
         counts = stats.token_counts
@@ -92,6 +95,20 @@ class Eagle3Strategy:
             counts = torch.zeros(config.vocab_size, dtype=torch.long)  # placeholder: the lowest Vd ids
         model.set_vocab_mapping(*build_vocab_mapping(counts, config.vocab_size, config.draft_vocab_size))
         return model
+
+    def _size_vocab_from(self, token_counts: Any, vocab_size: int) -> None:
+        """Fix ``draft_vocab_size`` from the data (the runtime records the resolved options in run.json)."""
+        import sys
+
+        size = data_sized_vocab(token_counts, self.options.draft_vocab_coverage, vocab_size)
+        counts = torch.as_tensor(token_counts).long()
+        covered = float(torch.sort(counts, descending=True).values[:size].sum()) / max(1, int(counts.sum()))
+        self.options = attrs.evolve(self.options, draft_vocab_size=size)
+        if self.context.rank == 0:
+            print(f"eagle3: draft vocabulary of {size} of the target's {vocab_size} tokens, covering "
+                  f"{100 * covered:.1f}% of the supervised tokens (strategy.draft_vocab_coverage="
+                  f"{self.options.draft_vocab_coverage:g}; set strategy.draft_vocab_size to choose)",
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ training
     def collate(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str]) -> TrainBatch:
@@ -107,15 +124,18 @@ class Eagle3Strategy:
         """Align, ask the teacher, unroll ``ttt_length`` steps, and score every step (see :mod:`.loss`)."""
         attention_mask = batch["attention_mask"]
         ids, loss_mask, last_hidden = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"],
-                                            attention_mask)
+                                            attention_mask, self.options.loss_positions)
         p_t, target_ids, position_mask = teacher(model, last_hidden, loss_mask)
         step_logits = model(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length)
         loss, ratios = ttt_loss(step_logits, p_t, target_ids, position_mask, loss_mask, model.d2t,
                                 self.options.loss_decay)
-        return StepOutput(loss=loss, ratio_metrics=ratios)  # tau_sim: derived_metrics, from pooled ratios
+        if not getattr(ctx, "training", True):  # the decode replay: eval only (a host-side walk per sample)
+            ratios.update(simulated_acceptance(step_logits, target_ids, batch["loss_mask"], model.d2t))
+        return StepOutput(loss=loss, ratio_metrics=ratios)
 
     def derived_metrics(self, pooled: dict[str, float]) -> dict[str, float]:
-        """``tau_sim`` from the pooled ``acc_k`` ratios (a product of ratios is not itself a ratio)."""
+        """``tau_sim``, the former figure, from the pooled ``acc_k`` ratios (kept one release as an alias of
+        sorts: it is bonus-excluded and overstates; ``accept_len_sim`` is the one to read)."""
         return {"tau_sim": tau_sim(pooled)}
 
     # ------------------------------------------------------------------ serving

@@ -150,6 +150,9 @@ def test_alignment_shifts_ids_and_last_hidden_and_drops_each_samples_last_positi
     assert a_ids.tolist() == [[6, 7, 8, 0], [4, 0, 0, 0]]
     assert a_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
     assert a_last[..., 0].tolist() == [[2.0, 3.0, 4.0, 0.0], [6.0, 0.0, 0.0, 0.0]]
+    # decode positions: a round drafts after each reply token but the last (bonus t+1 and draft t+2 in the reply)
+    _, d_mask, _ = align(ids, loss_mask, last, attention_mask, "decode")
+    assert d_mask.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
 
 
 def test_shift_left_zero_fills_and_handles_shifts_past_the_end():
@@ -240,9 +243,17 @@ def test_ttt_loss_matches_a_hand_computation():
     assert ratios["acc_1"] == (0.0, 2.0)
 
 
-def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens():
+def supervised_at(mask, u, n, positions):
+    """Whether the target at aligned position u (token u + 2) is supervised, per ``loss_positions``."""
+    if positions == "reference":  # ALGORITHMS.md: token u is a response token and u + 1 exists
+        return u + 1 < n and bool(mask[u])
+    return u + 2 < n and bool(mask[u + 1]) and bool(mask[u + 2])  # decode: bonus u + 1 and draft u + 2 in the reply
+
+
+@pytest.mark.parametrize("positions", ["decode", "reference"])
+def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens(positions):
     info, frozen = tiny_target()
-    options = Eagle3Options(ttt_length=3, draft_vocab_size=6, loss_decay=0.8)
+    options = Eagle3Options(ttt_length=3, draft_vocab_size=6, loss_decay=0.8, loss_positions=positions)
     strategy = Eagle3Strategy(options)
     samples, batch = tiny_batch(strategy, info, lengths=(6, 4))
     counts = torch.zeros(V, dtype=torch.long)
@@ -251,7 +262,8 @@ def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens():
     model = strategy.build_model(info, frozen, DataStats(token_counts=counts))
     with torch.no_grad():
         out = strategy.forward_loss(model, batch, StepContext())
-        ids, _, _ = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"], batch["attention_mask"])
+        ids, _, _ = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"], batch["attention_mask"],
+                          positions)
         step_logits = model(ids, batch["aux_hidden"], batch["attention_mask"], 3)
     used = model.draft_to_target_index().tolist()
     total, supervised = 0.0, 0
@@ -262,7 +274,7 @@ def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens():
         for t in range(n - 1):  # the last real position has no next token
             for k in range(3):
                 u = t + k  # step k at t is supervised by the target at position u + 1
-                if u + 1 >= n or not sample["loss_mask"][u]:
+                if not supervised_at(sample["loss_mask"], u, n, positions):
                     continue
                 z_t = (head @ sample["last_hidden"][u + 1]).tolist()
                 target_argmax = max(range(V), key=lambda j: z_t[j])

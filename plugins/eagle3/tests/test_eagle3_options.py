@@ -1,6 +1,7 @@
 """Options of the eagle3 strategy: defaults, the choice of aux layers, validation messages."""
 
 import pytest
+import torch
 
 from specforge_core.errors import OptionError
 from specforge_core.options import build_options, parse_set_value
@@ -128,10 +129,40 @@ def test_the_plugin_registers_the_strategy_without_importing_torch(plugin_manage
     spec = plugin_manager.get("strategy", "eagle3")
     assert spec.provenance.distribution == "specforge-plugin-eagle3"
     assert spec.requires == {"aux_hidden_states", "last_hidden"}
-    assert (spec.best_metric, spec.best_mode) == ("tau_sim", "max")
+    assert (spec.best_metric, spec.best_mode) == ("accept_len_sim", "max")
     import subprocess
     import sys
 
     code = "import sys, specforge_plugin_eagle3; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_draft_vocabulary_is_sized_from_the_data_to_cover_the_supervised_tokens():
+    from specforge_plugin_eagle3.options import data_sized_vocab
+
+    counts = torch.zeros(1000, dtype=torch.long)
+    counts[:100] = 100  # 100 frequent tokens: 10000 occurrences
+    counts[100:200] = 1  # 100 rare ones: 100 occurrences (1% of 10100)
+    assert data_sized_vocab(counts, 0.99, 1000) == 128  # 100 tokens cover 99.0%: rounded up to 64s
+    assert data_sized_vocab(counts, 1.0, 1000) == 256  # all 200 seen tokens
+    assert data_sized_vocab(counts, 1.0, 150) == 150  # never above the target vocabulary
+    big = torch.ones(100_000, dtype=torch.long)
+    assert data_sized_vocab(big, 0.99, 100_000) == 32000  # capped at the recipes' size
+    assert data_sized_vocab(torch.zeros(500, dtype=torch.long), 0.99, 500) == 500  # nothing counted
+
+
+def test_build_model_fixes_the_data_sized_vocabulary_in_the_strategy_options(capsys):
+    from specforge_core.protocols import DataStats, TargetInfo
+    from specforge_plugin_eagle3.strategy import Eagle3Strategy
+
+    target = TargetInfo(num_layers=4, hidden_size=8, vocab_size=300,
+                        extra={"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 16})
+    counts = torch.zeros(300, dtype=torch.long)
+    counts[:70] = 5
+    strategy = Eagle3Strategy(Eagle3Options(aux_layer_ids=(0, 1, 2)))
+    model = strategy.build_model(target, {"embed_tokens": torch.zeros(300, 8), "lm_head": torch.zeros(300, 8)},
+                                 DataStats(token_counts=counts, num_samples=3))
+    assert strategy.options.draft_vocab_size == 128 and model.config.draft_vocab_size == 128
+    assert int(model.t2d.sum()) == 128 and bool(model.t2d[:70].all())
+    assert "eagle3: draft vocabulary of 128 of the target's 300 tokens, covering 100.0%" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ...config import RunPlan
 from ...protocols import BuildContext
-from ..capture import eval_loader, stream_loader
+from ..capture import eval_loader, stored_eval_note, stored_token_rows, stream_loader
 from .record import (
     CONTROL_DIR,
     FINISHED_MARKER,
@@ -67,6 +67,7 @@ class StreamSource:
             if self.store is None:
                 self.store = self.features.open_store(context, consume_once=True)
             self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
+            self.eval_note = stored_eval_note(plan.features, self.eval_refs)
         except BaseException:
             self.close()
             raise
@@ -84,6 +85,10 @@ class StreamSource:
 
     def samples_per_rank(self, world_size: int) -> int:
         return self.record["train_samples"] // world_size
+
+    def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
+        return stored_token_rows(self.eval_store, self.eval_refs, limit)
 
     def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
         self.loader = stream_loader(self.store, self.control.channel, collate, batch_size)

@@ -94,7 +94,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
     assert plan.features is not None
     context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
     name = plan["strategy"].spec.name
-    samples, eval_samples, data_report = prepared_samples(plan, engine)
+    samples, eval_samples, report, _files = prepared_samples(plan, engine)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
     # The consumer has no target engine: it applies the engine's suggested train defaults from here.
@@ -152,7 +152,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
         store.close()
     result = {"features": str(root), "published": published + republished, "reused": len(committed),
               "train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs,
-              "data": data_report}
+              "data": report.summary()}
     Path(plan.output).mkdir(parents=True, exist_ok=True)
     from ...fileio import atomic_write_text
 

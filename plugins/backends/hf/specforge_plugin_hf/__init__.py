@@ -41,7 +41,7 @@ def specforge_target_engines():
             name="hf",
             factory="specforge_plugin_hf.engine:HFTargetEngine",
             options=HFEngineOptions,
-            capabilities={"aux_hidden_states", "last_hidden", "frozen_parts", "verify"},
+            capabilities={"aux_hidden_states", "last_hidden", "frozen_parts", "verify", "generate"},
             train_suggestions="specforge_plugin_hf.suggestions:suggested_train_options",
             description="Runs a transformers causal LM in-process and captures its hidden states.",
         )

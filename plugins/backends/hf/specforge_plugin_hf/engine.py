@@ -108,6 +108,8 @@ class HFTargetEngine:
             "bos_token_id": self._tokenizer.bos_token_id,
             "eos_token_id": self._tokenizer.eos_token_id,
             "pad_token_id": self._tokenizer.pad_token_id,
+            "unk_token_id": self._tokenizer.unk_token_id,
+            "special_token_ids": sorted(int(i) for i in self._tokenizer.all_special_ids),
             "device": str(self.device),
             "attn_implementation": self._model.config._attn_implementation,
             "model_path": str(self.model_path) if self.model_path is not None else None,
@@ -152,6 +154,37 @@ class HFTargetEngine:
             return None
         data = self._toy_manifest["data"]
         return self.model_path / data["train"], self.model_path / data["eval"]
+
+    def default_eval_data(self) -> Path | None:
+        """The toy's held-out conversations with every reply the target's own greedy reply, else None.
+
+        The bundled eval split was written by the toy's data generator, and the toy gets a
+        good share of it wrong (about two replies in three differ from its greedy ones), so
+        acceptance simulated on it scores the draft after prefixes decoding never visits.
+        Regenerated with ``specforge regenerate``'s code on first use (seconds) and kept
+        beside the bundled file as ``eval.target.jsonl``; a folder that cannot be written
+        to falls back to the bundled file.
+        """
+        default = self.default_data()
+        if default is None:
+            return None
+        bundled = default[1]
+        regenerated = bundled.with_name(bundled.stem + ".target.jsonl")
+        if regenerated.exists():
+            return regenerated
+        from specforge_core.config import RegenerateOptions
+        from specforge_core.regenerate import run_regenerate
+
+        from .toy.build import build_lock
+
+        try:
+            with build_lock(bundled.with_name(f".{regenerated.name}.lock")):
+                if not regenerated.exists():
+                    run_regenerate(self, str(bundled), str(regenerated),
+                                   RegenerateOptions(max_new_tokens=64, batch_size=32), progress=False)
+        except OSError:  # a read-only toy folder: the bundled split still evaluates
+            return bundled
+        return regenerated
 
     # -- capture --------------------------------------------------------------------------
 
@@ -301,6 +334,51 @@ class HFTargetEngine:
             f"cannot find the final norm of {type(self._model).__name__} (looked for "
             f"{', '.join(_FINAL_NORM_NAMES)} on its base model); this architecture is not supported by the hf engine"
         )
+
+    # -- generation -------------------------------------------------------------------------
+
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end a reply: the tokenizer's EOS and the generation config's (often several)."""
+        from specforge_core.speculative import stop_token_ids
+
+        ids = set(stop_token_ids(self._tokenizer.eos_token_id))
+        generation = getattr(self._model, "generation_config", None)
+        ids |= stop_token_ids(getattr(generation, "eos_token_id", None))
+        return sorted(ids)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> list[list[int]]:
+        """Continue each prompt (token ids) in one batched, KV-cached decode; the new tokens of each.
+
+        Greedy when ``temperature`` is 0, else sampled (seed torch's RNG first for repeatable
+        output). A reply ends after its first stop token (:meth:`stop_token_ids`, kept in the
+        result) or at ``max_new_tokens``. Prompts are left-padded; position ids follow the
+        attention mask, so a padded prompt continues as it would alone.
+        """
+        from transformers import GenerationConfig
+
+        if not prompts:
+            return []
+        rows = [self._input_ids(prompt, f"prompt {index}") for index, prompt in enumerate(prompts)]
+        stops = self.stop_token_ids()
+        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else (stops or [0])[0]
+        width = max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):] = row
+            mask[i, width - len(row):] = 1
+        sampling = temperature > 0
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampling,
+                                  temperature=temperature if sampling else None, top_p=top_p if sampling else None,
+                                  top_k=None, eos_token_id=stops or None, pad_token_id=pad_id)
+        out = self._model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        replies = []
+        for row in out[:, width:].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
+            replies.append(row[:end])
+        return replies
 
     # -- verification -----------------------------------------------------------------------
 

@@ -22,3 +22,7 @@ class CapturePlanError(TargetEngineError, ValueError):
 
 class ToyTargetError(SpecforgeError):
     """The toy target cannot be built where it was asked to be."""
+
+
+class RealModelError(SpecforgeError):
+    """The real test model (SmolLM2-135M-Instruct from its PyPI wheel) cannot be fetched or converted."""

@@ -408,3 +408,20 @@ def test_concurrent_captures_and_sessions_in_threads_do_not_mix_features(engine)
         assert torch.equal(got["aux_hidden"], want[i % 6]["aux_hidden"])
     for i, got in enumerate(verified):
         torch.testing.assert_close(got["last_hidden"], want[i]["last_hidden"], atol=1e-5, rtol=0)
+
+
+def test_the_toy_eval_split_for_runs_holds_the_targets_own_replies(engine):
+    bundled = engine.default_data()[1]
+    own = engine.default_eval_data()
+    assert own == bundled.with_name("eval.target.jsonl") and own.is_file()
+    rows = [json.loads(line) for line in own.read_text().splitlines()]
+    originals = [json.loads(line) for line in bundled.read_text().splitlines()]
+    user_turns = [[m for m in r["messages"] if m["role"] == "user"] for r in rows]
+    assert user_turns == [[m for m in r["messages"] if m["role"] == "user"] for r in originals]
+    first = rows[0]["messages"]
+    prompt = engine.tokenizer.apply_chat_template(first[:1], tokenize=False, add_generation_prompt=True)
+    reply = engine.generate([engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]], max_new_tokens=64)[0]
+    assert first[1]["content"] == engine.tokenizer.decode(reply[:-1] if reply[-1] in engine.stop_token_ids()
+                                                          else reply)
+    stamp = own.stat().st_mtime_ns
+    assert engine.default_eval_data() == own and own.stat().st_mtime_ns == stamp  # made once, then reused

@@ -62,7 +62,7 @@ def ensure_toy_target(variant: str = "default", *, recipe: ToyRecipe | None = No
     if _is_built(final, digest):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(final.parent / f".{final.name}.lock"):
+    with build_lock(final.parent / f".{final.name}.lock"):
         if not _is_built(final, digest):  # another process may have finished while we waited
             _build_into(final, recipe, splits, digest, progress)
     return final
@@ -94,7 +94,7 @@ def _is_built(path: Path, digest: str) -> bool:
 
 
 @contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
+def build_lock(path: Path) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # no flock (Windows): the atomic rename alone keeps builds safe
