@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import random
 import shutil
 import signal

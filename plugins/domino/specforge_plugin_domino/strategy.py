@@ -19,6 +19,8 @@ head from :meth:`DominoStrategy.head_config`), its export functions and its draf
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
