@@ -1,0 +1,154 @@
+"""The metadata store contract (``specforge_core.control_planes.metadata``) in PostgreSQL tables.
+
+``commit`` and ``ack`` are each one transaction, durable when they return (the server's
+``synchronous_commit``, on by default): after a crash of either side every returned
+commit and ack is there, and a half-applied batch never is. Each is a few statements for
+the whole batch (arrays, not a statement per ref), so a batch costs a few round trips.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Sequence
+
+from specforge_core.contracts import SampleRef
+from specforge_core.control_planes.metadata import (
+    Reconciliation,
+    encode_marker,
+    require_ack_args,
+    require_sample_refs,
+    unknown_ids_error,
+)
+from specforge_core.errors import ControlPlaneError
+
+from .database import Database
+
+_COMMIT = """
+INSERT INTO samples (sample_id, ref)
+SELECT sample_id, ref FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS batch (sample_id, ref, n)
+ORDER BY n
+ON CONFLICT (sample_id) DO NOTHING
+RETURNING sample_id
+"""
+
+
+class PostgresMetadataStore:
+    """Commits, acks with the durable global step, markers and reconcile over a :class:`Database`."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def commit(self, refs: Sequence[SampleRef]) -> list[SampleRef]:
+        items = require_sample_refs(refs)
+        if not items:
+            self.db.run(lambda conn: None)  # a closed store still says so
+            return []
+        sample_ids = [ref.sample_id for ref in items]
+        texts = [ref.to_json() for ref in items]
+
+        def work(conn: Any) -> list[str]:
+            fresh = {row[0] for row in conn.execute(_COMMIT, (sample_ids, texts))}
+            if len(fresh) < len(items):
+                conn.execute("UPDATE counters SET value = value + %s WHERE name = 'duplicates'",
+                             (len(items) - len(fresh),))
+            return sorted(fresh)
+
+        fresh = set(self.db.run(work, op_id=f"commit-{uuid.uuid4().hex}"))
+        out = []
+        for ref in items:  # in order; a repeat inside the batch is a duplicate
+            if ref.sample_id in fresh:
+                fresh.discard(ref.sample_id)
+                out.append(ref)
+        return out
+
+    def ack(self, sample_ids: Sequence[str], global_step: int) -> None:
+        ids = require_ack_args(sample_ids, global_step)
+        distinct = list(dict.fromkeys(ids))
+
+        def work(conn: Any) -> None:
+            # Idempotent (first ack's step kept, durable step a maximum): a retry is harmless.
+            conn.execute("UPDATE samples SET acked_step = %s WHERE sample_id = ANY(%s) AND acked_step IS NULL",
+                         (global_step, distinct))
+            found = conn.execute("SELECT count(*) FROM samples WHERE sample_id = ANY(%s)", (distinct,)).fetchone()[0]
+            if found != len(distinct):
+                known = {row[0] for row in conn.execute("SELECT sample_id FROM samples WHERE sample_id = ANY(%s)",
+                                                        (distinct,))}
+                raise unknown_ids_error([sid for sid in distinct if sid not in known])  # rolls the batch back
+            conn.execute("UPDATE counters SET value = GREATEST(value, %s) WHERE name = 'durable_step'",
+                         (global_step,))
+
+        self.db.run(work)
+
+    def requeue_acked_after(self, global_step: int) -> int:
+        """Make the samples acked after ``global_step`` pending again; how many there were.
+
+        For a consumer resuming from the checkpoint of ``global_step`` (see the sqlite
+        store's method of the same name). Idempotent, so a retry is harmless.
+        """
+        if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+            raise ControlPlaneError(f"requeue_acked_after needs a global step >= 0, got {global_step!r}")
+
+        def work(conn: Any) -> int:
+            count = conn.execute("UPDATE samples SET acked_step = NULL WHERE acked_step > %s",
+                                 (global_step,)).rowcount
+            conn.execute("UPDATE counters SET value = LEAST(value, %s) WHERE name = 'durable_step'", (global_step,))
+            return count
+
+        return self.db.run(work)
+
+    def durable_step(self) -> int:
+        return self.db.run(lambda conn: conn.execute(
+            "SELECT value FROM counters WHERE name = 'durable_step'").fetchone()[0])
+
+    def reconcile(self) -> Reconciliation:
+        def work(conn: Any) -> tuple[list, int]:
+            rows = conn.execute("SELECT ref, acked_step IS NOT NULL FROM samples ORDER BY seq").fetchall()
+            step = conn.execute("SELECT value FROM counters WHERE name = 'durable_step'").fetchone()[0]
+            return rows, step
+
+        rows, step = self.db.run(work)
+        acked, pending = [], []
+        for text, is_acked in rows:
+            (acked if is_acked else pending).append(SampleRef.from_json(text))
+        return Reconciliation(acked=acked, pending=pending, durable_step=step)
+
+    def acked_steps(self) -> dict[str, int]:
+        """Every acked sample id with the global step of its first ack (the ack ledger, for audits)."""
+        return dict(self.db.run(lambda conn: conn.execute(
+            "SELECT sample_id, acked_step FROM samples WHERE acked_step IS NOT NULL").fetchall()))
+
+    def set_marker(self, key: str, value: Any) -> None:
+        text = encode_marker(key, value)
+        self.db.run(lambda conn: conn.execute(
+            "INSERT INTO markers (key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, text)))
+
+    def set_marker_once(self, key: str, value: Any) -> Any:
+        """Store ``value`` under ``key`` unless a value is there already; return the value kept.
+
+        Two processes racing to write one record both get the same answer (the first one's).
+        """
+        text = encode_marker(key, value)
+
+        def work(conn: Any) -> str:
+            conn.execute("INSERT INTO markers (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, text))
+            return conn.execute("SELECT value FROM markers WHERE key = %s", (key,)).fetchone()[0]
+
+        return json.loads(self.db.run(work))
+
+    def get_marker(self, key: str, default: Any = None) -> Any:
+        row = self.db.run(lambda conn: conn.execute("SELECT value FROM markers WHERE key = %s", (key,)).fetchone())
+        return default if row is None else json.loads(row[0])
+
+    def stats(self) -> dict[str, int]:
+        def work(conn: Any) -> tuple[int, int, int]:
+            committed, acked = conn.execute("SELECT count(*), count(acked_step) FROM samples").fetchone()
+            duplicates = conn.execute("SELECT value FROM counters WHERE name = 'duplicates'").fetchone()[0]
+            return committed, acked, duplicates
+
+        committed, acked, duplicates = self.db.run(work)
+        return {"committed": committed, "acked": acked, "duplicates": duplicates, "pending": committed - acked}
+
+    def close(self) -> None:
+        self.db.close()
