@@ -7,7 +7,13 @@
 * ``channel_publish`` / ``channel_poll`` — refs/s of the file channel (one fsync per
   published batch) and of the in-process queue;
 * ``file_poll_vs_size`` — latency of polling 64 new refs when ``refs.jsonl`` already holds
-  1k / 10k / 100k records, and ``file_poll_flatness``: largest / smallest (1.0 = flat).
+  1k / 10k / 100k records, and ``file_poll_flatness``: largest / smallest (1.0 = flat);
+* ``postgres_commit_ack`` — the same commit + ack loop through the ``postgres`` plugin over
+  loopback TCP (a server this bench starts, fsync on, or ``--postgres-dsn``), with the
+  ratio to its 10k refs/s goal, to the sqlite run of the same batch and to the disk's
+  raw sync rate; ``postgres_poll`` — refs/s of publish and poll at batch 64, and the
+  wake-up latency of a waiting consumer (another connection) from ``publish`` returning
+  to its ``poll`` returning: LISTEN/NOTIFY, no sleep loop.
 
     python bench/control_plane.py [--dir DIR] [--seconds 2] [--sizes 1000,10000,100000]
 
@@ -21,6 +27,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 from specforge_core.control_planes.channel import FileChannel, QueueChannel
@@ -28,6 +35,7 @@ from specforge_core.control_planes.sqlite import SqliteMetadataStore
 from specforge_core.testing.control_plane_suite import ids, sample_refs
 
 TARGET_REFS_PER_S = 20_000
+POSTGRES_TARGET_REFS_PER_S = 10_000
 POLL_BATCH = 64
 
 
@@ -52,21 +60,26 @@ def raw_sync_rate(directory: str, seconds: float) -> float:
     return count / (time.perf_counter() - start)
 
 
-def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> None:
+def commit_ack_loop(store, pool: list, batch: int, seconds: float) -> tuple[int, int, float]:
+    """Commit then ack ``batch`` refs at a time for ``seconds``: (refs, steps, elapsed)."""
+    done, step, start = 0, 0, time.perf_counter()
+    while done + batch <= len(pool) and time.perf_counter() - start < seconds:
+        fresh = store.commit(pool[done:done + batch])
+        step += 1
+        store.ack(ids(fresh), step)
+        done += batch
+    elapsed = time.perf_counter() - start
+    assert store.stats()["acked"] == done
+    return done, step, elapsed
+
+
+def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> float:
     # A shared disk's sync rate drifts a lot, so the limit is probed right before and after.
     probe_s = min(seconds, 1.0) / 2
     before = raw_sync_rate(directory, probe_s)
     store = SqliteMetadataStore(os.path.join(directory, f"bench-{batch}.sqlite"))
-    done, step, start = 0, 0, time.perf_counter()
     try:
-        while done + batch <= len(pool) and time.perf_counter() - start < seconds:
-            refs = pool[done:done + batch]
-            fresh = store.commit(refs)
-            step += 1
-            store.ack(ids(fresh), step)
-            done += batch
-        elapsed = time.perf_counter() - start
-        assert store.stats()["acked"] == done
+        done, step, elapsed = commit_ack_loop(store, pool, batch, seconds)
     finally:
         store.close()
     sync_rate = (before + raw_sync_rate(directory, probe_s)) / 2
@@ -76,6 +89,78 @@ def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> None
          target_refs_per_s=TARGET_REFS_PER_S, ratio_to_target=round(rate / TARGET_REFS_PER_S, 3),
          transactions_per_s=round(transactions_per_s), raw_syncs_per_s=round(sync_rate),
          ratio_to_raw_sync=round(transactions_per_s / sync_rate, 3), dir=directory)
+    return rate
+
+
+def bench_postgres(directory: str, dsn: str | None, pool: list, sqlite_rates: dict[int, float],
+                   seconds: float) -> None:
+    """The postgres plugin over loopback TCP: commit + ack, publish / poll, wake-up latency."""
+    try:
+        from specforge_core.protocols import BuildContext
+        from specforge_plugin_postgres import PostgresControlPlaneOptions
+        from specforge_plugin_postgres.plane import PostgresControlPlane
+        from specforge_plugin_postgres.server import LocalPostgres
+    except ImportError as exc:
+        emit(bench="postgres_commit_ack", skipped=f"specforge-plugin-postgres is not installed ({exc})")
+        return
+    server = None if dsn else LocalPostgres().start()
+    dsn = dsn or server.dsn
+    try:
+        def plane(schema: str, role: str = "colocated", **options):
+            return PostgresControlPlane(PostgresControlPlaneOptions(dsn=dsn, schema=schema, **options),
+                                        BuildContext(role=role))
+
+        for batch in (1, 64):
+            probe_s = min(seconds, 1.0) / 2
+            before = raw_sync_rate(directory, probe_s)
+            handle = plane(f"bench_commit_{batch}_{os.getpid()}")
+            try:
+                done, step, elapsed = commit_ack_loop(handle.metadata, pool, batch, seconds)
+            finally:
+                handle.close()
+            sync_rate = (before + raw_sync_rate(directory, probe_s)) / 2
+            rate, transactions_per_s = done / elapsed, 2 * step / elapsed
+            emit(bench="postgres_commit_ack", batch=batch, refs=done, seconds=round(elapsed, 3),
+                 refs_per_s=round(rate), target_refs_per_s=POSTGRES_TARGET_REFS_PER_S,
+                 ratio_to_target=round(rate / POSTGRES_TARGET_REFS_PER_S, 3),
+                 ratio_to_sqlite=round(rate / sqlite_rates[batch], 3), transactions_per_s=round(transactions_per_s),
+                 raw_syncs_per_s=round(sync_rate), ratio_to_raw_sync=round(transactions_per_s / sync_rate, 3),
+                 server="bench-started, 127.0.0.1" if server else "given by --postgres-dsn")
+        schema = f"bench_channel_{os.getpid()}"
+        producer = plane(schema, "producer", high_watermark=10**9, low_watermark=0)
+        consumer = plane(schema, "consumer", idle_timeout_s=60)
+        try:
+            bench_channel("postgres", _PairedChannel(producer.channel, consumer.channel), pool, POLL_BATCH, seconds)
+            latencies = []
+            for index in range(30):
+                refs = pool[index:index + 1]
+                box: dict = {}
+                waiter = threading.Thread(target=lambda: box.update(got=consumer.channel.poll(1)))
+                waiter.start()
+                time.sleep(0.05)  # the consumer is asleep in its wait when the ref is published
+                producer.channel.publish(refs)
+                published = time.perf_counter()
+                waiter.join()
+                latencies.append(time.perf_counter() - published)
+                assert box["got"] == refs
+            emit(bench="postgres_poll_wakeup", waits=len(latencies),
+                 median_ms=round(statistics.median(latencies) * 1e3, 2),
+                 max_ms=round(max(latencies) * 1e3, 2),
+                 poll_interval_s=consumer.channel.poll_interval_s,
+                 note="a waiting consumer woken by NOTIFY; without it the wait would last poll_interval_s")
+        finally:
+            producer.close()
+            consumer.close()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+class _PairedChannel:
+    """A producer handle's publish and a consumer handle's poll, as one channel for :func:`bench_channel`."""
+
+    def __init__(self, producer, consumer) -> None:
+        self.publish, self.poll = producer.publish, consumer.poll
 
 
 def bench_channel(name: str, channel, pool: list, batch: int, seconds: float) -> None:
@@ -127,13 +212,17 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=40_000, help="distinct refs generated up front")
     parser.add_argument("--sizes", default="1000,10000,100000", help="channel file sizes, in records")
     parser.add_argument("--repeats", type=int, default=30, help="polls timed per file size")
+    parser.add_argument("--postgres-dsn", default=None, help="PostgreSQL to measure (default: start one on "
+                                                             "127.0.0.1 in a temporary directory)")
+    parser.add_argument("--no-postgres", action="store_true", help="skip the postgres measurements")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
 
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="sf-bench-control-") as directory:
         pool = sample_refs(args.pool, run_id="bench")
-        for batch in (1, 64):
-            bench_sqlite(directory, pool, batch, args.seconds)
+        sqlite_rates = {batch: bench_sqlite(directory, pool, batch, args.seconds) for batch in (1, 64)}
+        if not args.no_postgres:
+            bench_postgres(directory, args.postgres_dsn, pool, sqlite_rates, args.seconds)
         bench_channel("file", FileChannel(os.path.join(directory, "channel"), role="both"), pool, 64, args.seconds)
         bench_channel("queue", QueueChannel(), pool, 64, args.seconds)
         bench_poll_vs_size(directory, pool, sizes, args.repeats)

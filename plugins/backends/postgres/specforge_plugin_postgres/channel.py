@@ -110,7 +110,7 @@ class PostgresChannel(RestartableChannel):
                                          "process meanwhile. Open a new channel for a new stream")
             first = row[0] - len(refs)
             conn.execute("INSERT INTO channel_refs (channel, position, sample_id, ref) "
-                         "SELECT %s, %s + n - 1, sample_id, ref FROM unnest(%s::text[], %s::text[]) "
+                         "SELECT %s, %s + n - 1, sample_id, ref FROM unnest(%b::text[], %b::text[]) "
                          "WITH ORDINALITY AS batch (sample_id, ref, n)", (self.name, first, sample_ids, texts))
             conn.execute("SELECT pg_notify(%s, %s)", (self._notify, self.name))
             return row[0]

@@ -124,12 +124,14 @@ class Database:
             self.schema = schema
             self._conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
 
-    def run(self, work: Callable[[Any], Any], *, op_id: str | None = None) -> Any:
+    def run(self, work: Callable[[Any], Any], *, op_id: str | None = None, single_statement: bool = False) -> Any:
         """Run ``work(connection)`` in one transaction and return its result, retrying on a lost connection.
 
         With ``op_id`` the result must be JSON-able: it is recorded in the same transaction,
         and a retry after an ambiguous commit returns the recorded result without running
-        ``work`` again.
+        ``work`` again. ``single_statement`` work is one SQL statement, atomic without an
+        explicit transaction (one round trip); with an ``op_id`` it records the id itself
+        (``INSERT INTO ops``) in that statement.
         """
         import psycopg
 
@@ -144,11 +146,13 @@ class Database:
                         conn = self._conn = _connect(self.conninfo, self.address, self.connect_timeout_s,
                                                      self.schema)
                         self.reconnects += 1
+                    if op_id is not None and lost_at is not None:
+                        row = conn.execute("SELECT result FROM ops WHERE op_id = %s", (op_id,)).fetchone()
+                        if row is not None:
+                            return json.loads(row[0])
+                    if single_statement:  # atomic by itself: no BEGIN / COMMIT round trips
+                        return work(conn)
                     with conn.transaction():
-                        if op_id is not None and lost_at is not None:
-                            row = conn.execute("SELECT result FROM ops WHERE op_id = %s", (op_id,)).fetchone()
-                            if row is not None:
-                                return json.loads(row[0])
                         result = work(conn)
                         if op_id is not None:
                             conn.execute("INSERT INTO ops (op_id, result) VALUES (%s, %s)",

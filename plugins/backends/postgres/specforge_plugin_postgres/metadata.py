@@ -24,12 +24,35 @@ from specforge_core.errors import ControlPlaneError
 
 from .database import Database
 
+# One statement (so one round trip and one atomic commit): insert the fresh refs, count the
+# duplicates and record the op id with the fresh ids, for a retry after a lost answer.
 _COMMIT = """
-INSERT INTO samples (sample_id, ref)
-SELECT sample_id, ref FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS batch (sample_id, ref, n)
-ORDER BY n
-ON CONFLICT (sample_id) DO NOTHING
-RETURNING sample_id
+WITH batch AS (
+    SELECT sample_id, ref, n FROM unnest(%(ids)b::text[], %(refs)b::text[]) WITH ORDINALITY AS b (sample_id, ref, n)
+), fresh AS (
+    INSERT INTO samples (sample_id, ref) SELECT sample_id, ref FROM batch ORDER BY n
+    ON CONFLICT (sample_id) DO NOTHING RETURNING sample_id
+), duplicates AS (
+    UPDATE counters SET value = value + %(n)s - (SELECT count(*) FROM fresh) WHERE name = 'duplicates'
+), op AS (
+    INSERT INTO ops (op_id, result) SELECT %(op)s, coalesce(json_agg(sample_id), '[]')::text FROM fresh
+)
+SELECT sample_id FROM fresh
+"""
+
+# One statement: the acks and the durable step move only when every id is known.
+_ACK = """
+WITH ids AS (
+    SELECT DISTINCT unnest(%(ids)b::text[]) AS sample_id
+), known AS (
+    SELECT count(*) AS n FROM samples JOIN ids USING (sample_id)
+), acked AS (
+    UPDATE samples SET acked_step = %(step)s
+    WHERE sample_id IN (SELECT sample_id FROM ids) AND acked_step IS NULL AND (SELECT n FROM known) = %(n)s
+), durable AS (
+    UPDATE counters SET value = GREATEST(value, %(step)s) WHERE name = 'durable_step' AND (SELECT n FROM known) = %(n)s
+)
+SELECT n FROM known
 """
 
 
@@ -47,14 +70,13 @@ class PostgresMetadataStore:
         sample_ids = [ref.sample_id for ref in items]
         texts = [ref.to_json() for ref in items]
 
-        def work(conn: Any) -> list[str]:
-            fresh = {row[0] for row in conn.execute(_COMMIT, (sample_ids, texts))}
-            if len(fresh) < len(items):
-                conn.execute("UPDATE counters SET value = value + %s WHERE name = 'duplicates'",
-                             (len(items) - len(fresh),))
-            return sorted(fresh)
+        op_id = f"commit-{uuid.uuid4().hex}"
 
-        fresh = set(self.db.run(work, op_id=f"commit-{uuid.uuid4().hex}"))
+        def work(conn: Any) -> list[str]:
+            return [row[0] for row in conn.execute(_COMMIT, {"ids": sample_ids, "refs": texts, "n": len(items),
+                                                             "op": op_id})]
+
+        fresh = set(self.db.run(work, op_id=op_id, single_statement=True))
         out = []
         for ref in items:  # in order; a repeat inside the batch is a duplicate
             if ref.sample_id in fresh:
@@ -68,17 +90,13 @@ class PostgresMetadataStore:
 
         def work(conn: Any) -> None:
             # Idempotent (first ack's step kept, durable step a maximum): a retry is harmless.
-            conn.execute("UPDATE samples SET acked_step = %s WHERE sample_id = ANY(%s) AND acked_step IS NULL",
-                         (global_step, distinct))
-            found = conn.execute("SELECT count(*) FROM samples WHERE sample_id = ANY(%s)", (distinct,)).fetchone()[0]
-            if found != len(distinct):
-                known = {row[0] for row in conn.execute("SELECT sample_id FROM samples WHERE sample_id = ANY(%s)",
+            found = conn.execute(_ACK, {"ids": distinct, "step": global_step, "n": len(distinct)}).fetchone()[0]
+            if found != len(distinct):  # nothing was applied; say which ids are unknown
+                known = {row[0] for row in conn.execute("SELECT sample_id FROM samples WHERE sample_id = ANY(%b)",
                                                         (distinct,))}
-                raise unknown_ids_error([sid for sid in distinct if sid not in known])  # rolls the batch back
-            conn.execute("UPDATE counters SET value = GREATEST(value, %s) WHERE name = 'durable_step'",
-                         (global_step,))
+                raise unknown_ids_error([sid for sid in distinct if sid not in known])
 
-        self.db.run(work)
+        self.db.run(work, single_statement=True)
 
     def requeue_acked_after(self, global_step: int) -> int:
         """Make the samples acked after ``global_step`` pending again; how many there were.
