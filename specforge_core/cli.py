@@ -165,7 +165,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
         return
     if plan.role == "producer":
-        from .producer import run_producer
+        from .topologies.stream.producer import run_producer
 
         if resume:
             _fail(OptionError("a producer resumes by itself from its features directory; drop --resume"))
@@ -212,7 +212,7 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
     samples already in DIR are skipped. Prints bytes per token and the ratio to the
     unpadded minimum.
     """
-    from .capture import run_capture
+    from .topologies.offline import run_capture
     from .config import apply_sets, load_config_file, resolve_plan, set_option
 
     try:

@@ -67,7 +67,7 @@ def rebuild_model(manager: Any, checkpoint: Path, run_dir: Path) -> tuple[Any, A
 
     from .config import plan_to_raw, resolve_plan
     from .features import FeatureSet, frozen_fingerprint
-    from .runtime import build_component
+    from .components import build_component
     from .training.checkpoint import load_model_state
     from .training.distributed import DistInfo
 

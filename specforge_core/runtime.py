@@ -7,7 +7,7 @@ This is where topologies are chosen — never in the training loop:
 * **online colocated** (default): the target engine captures on a producer thread into the
   feature store, refs flow through the control plane's channel, the loader consumes them;
 * **disaggregated consumer** (``--role consumer --features DIR``): the training side of a
-  stream that a producer process writes into ``DIR`` (see :mod:`.producer`): refs from the
+  stream that a producer process writes into ``DIR`` (see :mod:`.topologies.stream`): refs from the
   sqlite control plane's channel, acks durable with their global step, exactly once across
   restarts of either side.
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .components import build_component
 from .config import RunPlan, with_suggested_train_options
 from .errors import SpecforgeError
 from .options import options_to_dict
@@ -28,12 +29,6 @@ from .protocols import BuildContext
 
 class RunError(SpecforgeError):
     """A run cannot be assembled from the plan."""
-
-
-def build_component(plan: RunPlan, kind: str, context: BuildContext) -> Any:
-    resolved = plan[kind]
-    factory = resolved.spec.load_factory()
-    return factory(resolved.options, context)
 
 
 def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str) -> dict[str, Any]:
@@ -51,7 +46,9 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
 
 def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None) -> dict[str, Any]:
     """Train according to ``plan``; returns the summary (also written to ``summary.json``)."""
-    from .sources import OfflineSource, OnlineSource, StreamSource
+    from .topologies.colocated import OnlineSource
+    from .topologies.offline import OfflineSource
+    from .topologies.stream.consumer import StreamSource
     from .training.distributed import barrier, check_same_everywhere, init_distributed, shutdown
     from .training.evaluator import Evaluator
     from .training.trainer import Trainer
@@ -157,7 +154,7 @@ def _eval_engine(plan: RunPlan, source: Any, context: BuildContext) -> tuple[Any
 def finalize(plan: RunPlan, strategy: Any, trainer: Any, source: Any, info: Any, context: BuildContext,
              summary: dict[str, Any]) -> dict[str, Any]:
     """Export the final draft and measure real acceptance; adds both to ``summary.json``."""
-    from .capture import data_paths
+    from .topologies.capture import data_paths
     from .export import export_model
     from .speculative import TAU_SIM_CONVENTION, measure_acceptance, prompts_from_jsonl
     from .training.checkpoint import load_model_state, model_state

@@ -239,7 +239,7 @@ def test_a_finished_producer_started_again_publishes_nothing_and_exits_cleanly(s
 
 
 def test_a_second_producer_or_consumer_of_one_stream_is_refused(site, tiny, streamed):
-    from specforge_core.producer import hold_lock
+    from specforge_core.topologies.stream.record import hold_lock
 
     shared, base, _, _ = streamed
     for role, lock in (("producer", "producer.lock"), ("consumer", "consumer.rank0.lock")):

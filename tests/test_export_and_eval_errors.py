@@ -44,7 +44,7 @@ def test_loading_a_draft_needs_its_config_and_strategy_name(tmp_path):
 
 
 def test_eval_without_prompts_for_a_non_toy_target_is_a_usage_error(tmp_path):
-    from specforge_core.capture import data_paths
+    from specforge_core.topologies.capture import data_paths
 
     class Plan:
         class data:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from specforge_core.control_planes.sqlite import SqliteMetadataStore
-from specforge_core.producer import stream_id
+from specforge_core.topologies.stream.record import stream_id
 
 SPECFORGE = str(Path(sys.executable).parent / "specforge")
 SAMPLES, BATCH = 16, 2

@@ -1,18 +1,7 @@
 """The producer of a disaggregated run: capture target features into a shared directory.
 
 ``specforge run --role producer --features DIR`` and ``specforge run --role consumer
---features DIR`` are two processes that share ``DIR`` (on one host: the sqlite control
-plane's WAL needs local locks and shared memory)::
-
-    DIR/manifest.json               a features directory (see :mod:`.features`), plus a
-    DIR/frozen_parts.safetensors    ``stream`` record the consumer waits for: sample counts,
-    DIR/token_counts.safetensors    epochs and the seed of the stream's sample order
-    DIR/store/                      the disk store: eval samples (kept) and, unless the run
-                                    names another cross-process feature store (mooncake),
-                                    the training stream (deleted once a consumer checkpoint
-                                    covers them)
-    DIR/control/                    the sqlite control plane: metadata.sqlite (commits, acks
-                                    with their global step) and refs.jsonl (the ref channel)
+--features DIR`` are two processes that share ``DIR`` (its layout: :mod:`.record`).
 
 The producer captures the eval split once, then the training samples epoch by epoch in the
 order an online run would train them (shuffled per epoch with ``train.seed``), and for each
@@ -35,95 +24,28 @@ import os
 from pathlib import Path
 from typing import Any
 
-import attrs
-
-from .config import RunPlan
-from .errors import SpecforgeError
-from .protocols import BuildContext
-
-CONTROL_DIR = "control"
-STREAM_KEY = "stream"
-#: Control-plane markers: the highest step whose samples a consumer deleted after a checkpoint
-#: covered them, and the step a consumer finished training at.
-RELEASED_MARKER = "stream.released_through_step"
-FINISHED_MARKER = "stream.consumer_finished"
-
-
-class StreamError(SpecforgeError):
-    """A disaggregated stream cannot be produced or consumed as asked."""
-
-
-def stream_control(plan: RunPlan, context: BuildContext) -> Any:
-    """The sqlite control plane in ``FEATURES/control`` (or its ``path`` option), opened in ``context.role``."""
-    from .control_planes.sqlite import SqliteControlPlane
-
-    options = plan["control_plane"].options
-    if options.path is None:
-        options = attrs.evolve(options, path=os.path.join(str(plan.features), CONTROL_DIR))
-    return SqliteControlPlane(options, context)
-
-
-def hold_lock(path: str, holder: str) -> int:
-    """Take the exclusive lock file ``path`` for this process (released when it exits); its fd.
-
-    Two producers of one stream would capture and put the same samples twice, and two
-    consumer groups would train them twice: each side holds a lock for as long as it runs.
-    """
-    import fcntl
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StreamError(f"another {holder} is running on this stream (it holds {path}); one runs at a time. "
-                          "Stop it first, or use another --features directory for another run") from None
-    return fd
-
-
-def stream_id(features: str | os.PathLike[str]) -> str:
-    """The name both sides of a stream agree on without being told: from the shared directory."""
-    import hashlib
-
-    return "stream-" + hashlib.sha256(os.path.realpath(features).encode()).hexdigest()[:16]
-
-
-def stream_store(plan: RunPlan, context: BuildContext) -> Any | None:
-    """The plan's own feature store for the training stream (e.g. ``mooncake``), or None for
-    ``disk``: then the stream goes through the features directory's store, ``DIR/store``.
-
-    The store is built with the stream's id as its run id, so a store that names its data
-    after the run (Mooncake's default namespace) keeps two streams on one server apart.
-    """
-    from .runtime import build_component
-
-    if plan["feature_store"].spec.name == "disk":
-        return None
-    assert plan.features is not None
-    return build_component(plan, "feature_store", attrs.evolve(context, run_id=stream_id(plan.features)))
-
-
-def read_stream_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``stream`` record of a features directory's manifest, or None before a producer wrote it."""
-    from .features import MANIFEST
-
-    try:
-        manifest = json.loads((Path(root) / MANIFEST).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    record = manifest.get(STREAM_KEY)
-    return record if isinstance(record, dict) else None
-
-
-def _write_stream_record(root: Path, record: dict[str, Any]) -> None:
-    """Add the ``stream`` record to the manifest: from now on consumers may start."""
-    from .features import MANIFEST
-    from .fileio import atomic_write_text
-
-    manifest = json.loads((root / MANIFEST).read_text())
-    manifest[STREAM_KEY] = record
-    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+from ...config import RunPlan
+from ..capture import (
+    capture_batch,
+    capture_batch_size,
+    capture_components,
+    capture_into,
+    epoch_order,
+    prepared_samples,
+    put_captured,
+    stream_sample_id,
+    supervised_token_counts,
+)
+from .record import (
+    CONTROL_DIR,
+    FINISHED_MARKER,
+    StreamError,
+    hold_lock,
+    read_stream_record,
+    stream_control,
+    stream_store,
+    write_stream_record,
+)
 
 
 def _stay_until_trained(metadata: Any, idle_timeout_s: float) -> None:
@@ -164,10 +86,8 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
 def _produce(plan: RunPlan) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from .capture import capture_batch, capture_components, capture_into, supervised_token_counts
-    from .features import create_feature_set, save_token_counts
-    from .options import options_to_dict
-    from .sources import capture_batch_size, epoch_order, prepared_samples, put_captured, stream_sample_id
+    from ...features import create_feature_set, save_token_counts
+    from ...options import options_to_dict
 
     assert plan.features is not None
     context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
@@ -198,7 +118,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
                 pass
         save_token_counts(root, supervised_token_counts(((s.input_ids, s.loss_mask) for s in samples),
                                                         target.vocab_size))
-        _write_stream_record(root, record)
+        write_stream_record(root, record)
         control = stream_control(plan, context)
         channel, metadata = control.channel, control.metadata
         republished = control.resume_producer()
@@ -236,7 +156,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
               "train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs,
               "data": report.summary()}
     Path(plan.output).mkdir(parents=True, exist_ok=True)
-    from .fileio import atomic_write_text
+    from ...fileio import atomic_write_text
 
     atomic_write_text(Path(plan.output) / "producer_summary.json", json.dumps(result, indent=2, sort_keys=True))
     return result

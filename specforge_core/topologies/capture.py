@@ -1,20 +1,24 @@
-"""Turning tokenized conversations into stored features with a target engine.
+"""Capture helpers every topology shares: tokenized conversations into stored features.
 
-Used by ``specforge capture`` (offline: the disk store of a features directory) and by
-the online colocated topology (a producer thread putting into the memory store). The
-strategy's capture plan decides which layers and features are captured; ``input_ids``
-and ``loss_mask`` come from data preparation and are stored next to the engine's tensors.
+Used by ``specforge capture`` (offline: the disk store of a features directory), by the
+online colocated topology (a producer thread putting into the memory store) and by a
+stream's producer. The strategy's capture plan decides which layers and features are
+captured; ``input_ids`` and ``loss_mask`` come from data preparation and are stored next
+to the engine's tensors. Nothing here knows which topology it serves: the epoch order, the
+id of a sample's training event and the loaders over a store are the same for all.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .contracts import SampleRef
-from .dtypes import torch_dtype
-from .protocols import CapturePlan
+from ..contracts import SampleRef
+from ..data.loader import FeatureDataLoader
+from ..dtypes import torch_dtype
+from ..errors import SpecforgeError
+from ..protocols import BuildContext, CapturePlan
 
 
 def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -81,15 +85,9 @@ def supervised_token_counts(pairs: Iterable[tuple[Any, Any]], vocab_size: int) -
     return counts
 
 
-def _store_bytes(path: Any) -> int:
-    from pathlib import Path
-
-    return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
-
-
 def data_paths(plan: Any, engine: Any) -> tuple[str, str | None]:
     """Training and eval JSONL: the user's, or the engine's bundled default (toy target)."""
-    from .errors import OptionError
+    from ..errors import OptionError
 
     train, evaluation = plan.data.path, plan.data.eval_path
     if train is None:
@@ -104,8 +102,7 @@ def data_paths(plan: Any, engine: Any) -> tuple[str, str | None]:
 
 def capture_components(plan: Any, *, role: str) -> tuple[Any, Any, Any, Any, CapturePlan]:
     """(build context, strategy, target engine, target info, capture plan) of a capturing command."""
-    from .protocols import BuildContext
-    from .runtime import build_component
+    from ..components import build_component
 
     context = BuildContext(run_id=plan.run_id, output_dir=plan.output, role=role)
     strategy = build_component(plan, "strategy", context)
@@ -114,53 +111,57 @@ def capture_components(plan: Any, *, role: str) -> tuple[Any, Any, Any, Any, Cap
     return context, strategy, engine, target, strategy.capture_plan(target)
 
 
-def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, Any]:
-    """``specforge capture``: write a features directory for ``plan``'s strategy; resumable."""
-    from tqdm import tqdm
+def capture_batch_size(plan: Any) -> int:
+    """Sequences per target forward: the engine's own option when it has one."""
+    return int(getattr(plan["target_engine"].options, "capture_batch_size", 8))
 
-    from .data.prepare import PrepareReport, iter_samples
-    from .features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
-    from .options import options_to_dict
 
-    context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
-    name = plan["strategy"].spec.name
-    root, store = create_feature_set(plan.output, strategy=name,
-                                     strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
-                                     target=target, frozen_parts=engine.frozen_parts(), context=context)
-    existing = {ref.sample_id: ref for ref in store.scan()}
+def prepared_samples(plan: Any, engine: Any) -> tuple[list[Any], list[Any], Any]:
+    """(train samples, eval samples, the train file's preparation report) for a capturing run."""
+    from ..data.prepare import prepare_file
+
     train_path, eval_path = data_paths(plan, engine)
-    counts: dict[str, int] = {}
-    by_split: dict[str, list[SampleRef]] = {}
-    reports: dict[str, Any] = {}
-    tokens = minimum = 0
-    for split, path in (("train", train_path), ("eval", eval_path)):
-        if path is None:
-            continue
-        report = PrepareReport()
-        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length,
-                               last_turn_only=plan.data.last_turn_only, strict=plan.data.strict, report=report)
-        if split == "train" and plan.data.max_samples:
-            samples = (s for i, s in zip(range(plan.data.max_samples), samples))
-        with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
-            fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
-                                      strategy=name, skip=set(existing), progress=progress))
-        refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
-        counts[split] = len(refs)
-        by_split[split] = refs
-        reports[split] = {"new": len(fresh), "reused": len(refs) - len(fresh), "summary": report.summary(),
-                          "skipped": dict(report.skipped)}
-        tokens += sum(r.num_tokens for r in refs)
-        minimum += sum(r.nbytes for r in refs)  # the tensors' bytes: no padding, no container
-    stored = _store_bytes(root / STORE_DIR)
-    if {"input_ids", "loss_mask"} <= set(capture_plan.features):
-        pairs = ((f["input_ids"], f["loss_mask"]) for f in
-                 (store.get(r, ["input_ids", "loss_mask"]) for r in by_split.get("train", [])))
-        save_token_counts(root, supervised_token_counts(pairs, target.vocab_size))
-    result = {
-        "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,
-        "bytes_per_token": stored / tokens if tokens else 0.0,
-        "ratio_to_unpadded_minimum": stored / minimum if minimum else 0.0, "data": reports,
-    }
-    finish_feature_set(root, counts, {"capture": {k: v for k, v in result.items() if k != "output"}})
-    store.close()
-    return result
+    options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
+    samples, report = prepare_file(train_path, engine.tokenizer, **options)
+    if plan.data.max_samples:
+        samples = samples[: plan.data.max_samples]
+    if not samples:
+        raise SpecforgeError(f"{train_path} gave no usable training sample: {report.summary()}")
+    eval_samples = prepare_file(eval_path, engine.tokenizer, **options)[0] if eval_path else []
+    return samples, eval_samples, report
+
+
+def stream_sample_id(sample: Any, epoch: int) -> str:
+    """The id of one sample's training event: one sample seen in two epochs is two events."""
+    return f"{sample.sample_id}@e{epoch}"
+
+
+def put_captured(store: Any, samples: list[Any], captured: list[dict[str, Any]], *, epoch: int,
+                 strategy: str) -> list[Any]:
+    """Put one captured batch of training samples of ``epoch``; their refs, in order."""
+    refs = []
+    for sample, features in zip(samples, captured):
+        meta = {"split": "train", "source": sample.source, "num_tokens": len(sample.input_ids), "epoch": epoch,
+                "strategy": strategy}
+        refs.append(store.put(stream_sample_id(sample, epoch), features, meta))
+    return refs
+
+
+def epoch_order(n: int, epoch: int, seed: int, rank: int = 0, world_size: int = 1, equal: bool = True) -> list[int]:
+    """This rank's sample indices for an epoch: the same split rule as the fixed-refs loader."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    end = (n // world_size) * world_size if equal else n
+    return order[rank:end:world_size]
+
+
+def stream_loader(store: Any, channel: Any, collate: Callable, batch_size: int) -> FeatureDataLoader:
+    """Training batches from a ref channel; samples are released when the trainer completes them."""
+    return FeatureDataLoader(store, collate, channel=channel, batch_size=batch_size, release="on_complete",
+                             poll_timeout_s=0.5)
+
+
+def eval_loader(store: Any, refs: list[Any], collate: Callable, batch_size: int, rank: int,
+                world_size: int) -> FeatureDataLoader:
+    """This rank's share of fixed eval refs, in order, every sample (no short-batch drop), never released."""
+    return FeatureDataLoader(store, collate, refs=refs, batch_size=batch_size, shuffle=False, drop_last=False,
+                             rank=rank, world_size=world_size, equal_shares=False, release="never")

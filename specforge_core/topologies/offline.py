@@ -1,0 +1,122 @@
+"""The offline topology: capture once into a features directory, train from it many times.
+
+``specforge capture`` (:func:`run_capture`) writes a features directory (see
+:mod:`specforge_core.features`): the disk store of every captured sample, its manifest, the
+frozen target parts and the supervised token counts. ``specforge run --features DIR``
+trains from it through :class:`OfflineSource`: a fixed list of refs, shuffled per epoch and
+resumed by seek, with no target model loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..config import RunPlan
+from ..contracts import SampleRef
+from ..data.loader import FeatureDataLoader
+from ..errors import SpecforgeError
+from ..protocols import BuildContext
+from .capture import capture_components, capture_into, data_paths, eval_loader, supervised_token_counts
+
+
+class OfflineSource:
+    """Samples from a features directory (``--features DIR``)."""
+
+    streaming = False
+
+    def __init__(self, plan: RunPlan, strategy: Any, context: BuildContext) -> None:
+        from ..features import FeatureSet
+
+        self.features = FeatureSet.open(plan.features)
+        self.target = self.features.target
+        self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
+        self.store = self.features.open_store(context)
+        splits = self.features.refs_by_split(self.store)
+        self.refs, self.eval_refs = splits["train"], splits["eval"]
+        if not self.refs:
+            raise SpecforgeError(f"{plan.features} holds no training samples")
+        self.fingerprint = self.features.fingerprint
+        self.ack = None
+
+    def frozen_parts(self) -> dict[str, Any]:
+        return self.features.frozen_parts()
+
+    def stats(self) -> Any:
+        return self.features.stats()
+
+    def train_loader(self, collate: Callable, *, batch_size: int, seed: int, rank: int, world_size: int) -> Any:
+        return FeatureDataLoader(self.store, collate, refs=self.refs, batch_size=batch_size, shuffle=True, seed=seed,
+                                 drop_last=True, rank=rank, world_size=world_size)
+
+    def samples_per_rank(self, world_size: int) -> int:
+        return len(self.refs) // world_size
+
+    def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
+        if not self.eval_refs:
+            return None
+        return lambda: eval_loader(self.store, self.eval_refs, collate, batch_size, rank, world_size)
+
+    def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
+        """Nothing to start: the loader seeks by itself on resume."""
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _store_bytes(path: Any) -> int:
+    from pathlib import Path
+
+    return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
+
+
+
+def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, Any]:
+    """``specforge capture``: write a features directory for ``plan``'s strategy; resumable."""
+    from tqdm import tqdm
+
+    from ..data.prepare import PrepareReport, iter_samples
+    from ..features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
+    from ..options import options_to_dict
+
+    context, strategy, engine, target, capture_plan = capture_components(plan, role="offline")
+    name = plan["strategy"].spec.name
+    root, store = create_feature_set(plan.output, strategy=name,
+                                     strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
+                                     target=target, frozen_parts=engine.frozen_parts(), context=context)
+    existing = {ref.sample_id: ref for ref in store.scan()}
+    train_path, eval_path = data_paths(plan, engine)
+    counts: dict[str, int] = {}
+    by_split: dict[str, list[SampleRef]] = {}
+    reports: dict[str, Any] = {}
+    tokens = minimum = 0
+    for split, path in (("train", train_path), ("eval", eval_path)):
+        if path is None:
+            continue
+        report = PrepareReport()
+        samples = iter_samples(path, engine.tokenizer, max_length=plan.data.max_length,
+                               last_turn_only=plan.data.last_turn_only, strict=plan.data.strict, report=report)
+        if split == "train" and plan.data.max_samples:
+            samples = (s for i, s in zip(range(plan.data.max_samples), samples))
+        with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
+            fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
+                                      strategy=name, skip=set(existing), progress=progress))
+        refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
+        counts[split] = len(refs)
+        by_split[split] = refs
+        reports[split] = {"new": len(fresh), "reused": len(refs) - len(fresh), "summary": report.summary(),
+                          "skipped": dict(report.skipped)}
+        tokens += sum(r.num_tokens for r in refs)
+        minimum += sum(r.nbytes for r in refs)  # the tensors' bytes: no padding, no container
+    stored = _store_bytes(root / STORE_DIR)
+    if {"input_ids", "loss_mask"} <= set(capture_plan.features):
+        pairs = ((f["input_ids"], f["loss_mask"]) for f in
+                 (store.get(r, ["input_ids", "loss_mask"]) for r in by_split.get("train", [])))
+        save_token_counts(root, supervised_token_counts(pairs, target.vocab_size))
+    result = {
+        "output": str(root), "strategy": name, "samples": counts, "tokens": tokens, "bytes": stored,
+        "bytes_per_token": stored / tokens if tokens else 0.0,
+        "ratio_to_unpadded_minimum": stored / minimum if minimum else 0.0, "data": reports,
+    }
+    finish_feature_set(root, counts, {"capture": {k: v for k, v in result.items() if k != "output"}})
+    store.close()
+    return result

@@ -1,0 +1,133 @@
+"""What both sides of a disaggregated stream share: its record, markers, locks, control plane and store.
+
+A stream lives in a features directory ``DIR`` that the producer and its consumers share
+(on one host: the sqlite control plane's WAL needs local locks and shared memory)::
+
+    DIR/manifest.json               a features directory (see :mod:`specforge_core.features`),
+    DIR/frozen_parts.safetensors    plus a ``stream`` record the consumer waits for: sample
+    DIR/token_counts.safetensors    counts, epochs and the seed of the stream's sample order
+    DIR/store/                      the disk store: eval samples (kept) and, unless the run
+                                    names another cross-process feature store (mooncake),
+                                    the training stream (deleted once a consumer checkpoint
+                                    covers them)
+    DIR/control/                    the sqlite control plane: metadata.sqlite (commits, acks
+                                    with their global step) and refs.jsonl (the ref channel)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ...config import RunPlan
+from ...errors import SpecforgeError
+from ...protocols import BuildContext
+
+CONTROL_DIR = "control"
+STREAM_KEY = "stream"
+#: Control-plane markers: the highest step whose samples a consumer deleted after a checkpoint
+#: covered them, and the step a consumer finished training at.
+RELEASED_MARKER = "stream.released_through_step"
+FINISHED_MARKER = "stream.consumer_finished"
+
+
+class StreamError(SpecforgeError):
+    """A disaggregated stream cannot be produced or consumed as asked."""
+
+
+def stream_control(plan: RunPlan, context: BuildContext) -> Any:
+    """The sqlite control plane in ``FEATURES/control`` (or its ``path`` option), opened in ``context.role``."""
+    from ...control_planes.sqlite import SqliteControlPlane
+
+    options = plan["control_plane"].options
+    if options.path is None:
+        options = attrs.evolve(options, path=os.path.join(str(plan.features), CONTROL_DIR))
+    return SqliteControlPlane(options, context)
+
+
+def hold_lock(path: str, holder: str) -> int:
+    """Take the exclusive lock file ``path`` for this process (released when it exits); its fd.
+
+    Two producers of one stream would capture and put the same samples twice, and two
+    consumer groups would train them twice: each side holds a lock for as long as it runs.
+    """
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StreamError(f"another {holder} is running on this stream (it holds {path}); one runs at a time. "
+                          "Stop it first, or use another --features directory for another run") from None
+    return fd
+
+
+def stream_id(features: str | os.PathLike[str]) -> str:
+    """The name both sides of a stream agree on without being told: from the shared directory."""
+    import hashlib
+
+    return "stream-" + hashlib.sha256(os.path.realpath(features).encode()).hexdigest()[:16]
+
+
+def stream_store(plan: RunPlan, context: BuildContext) -> Any | None:
+    """The plan's own feature store for the training stream (e.g. ``mooncake``), or None for
+    ``disk``: then the stream goes through the features directory's store, ``DIR/store``.
+
+    The store is built with the stream's id as its run id, so a store that names its data
+    after the run (Mooncake's default namespace) keeps two streams on one server apart.
+    """
+    from ...components import build_component
+
+    if plan["feature_store"].spec.name == "disk":
+        return None
+    assert plan.features is not None
+    return build_component(plan, "feature_store", attrs.evolve(context, run_id=stream_id(plan.features)))
+
+
+def read_stream_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``stream`` record of a features directory's manifest, or None before a producer wrote it."""
+    from ...features import MANIFEST
+
+    try:
+        manifest = json.loads((Path(root) / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    record = manifest.get(STREAM_KEY)
+    return record if isinstance(record, dict) else None
+
+
+def write_stream_record(root: Path, record: dict[str, Any]) -> None:
+    """Add the ``stream`` record to the manifest: from now on consumers may start."""
+    from ...features import MANIFEST
+    from ...fileio import atomic_write_text
+
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest[STREAM_KEY] = record
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
+    """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        record = read_stream_record(root)
+        if record is not None:
+            return record
+        if time.monotonic() >= deadline:
+            raise StreamError(f"no producer started a stream in {root} within {wait_s:g}s "
+                              "(control_plane.idle_timeout_s): start `specforge run --role producer --features "
+                              f"{root}` with the same strategy and data, or point --features at the directory it "
+                              "writes")
+        if not told:
+            print(f"waiting for a producer to stream into {root} ...", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
