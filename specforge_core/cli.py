@@ -174,7 +174,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         except SpecforgeError as exc:
             _fail(exc)
         click.echo(f"done: published {result['published']} samples ({result['reused']} already committed before "
-                   f"this start); stream closed in {result['features']}")
+                   f"this start); stream closed in {result.get('features') or result['stream']}")
         return
     from .runtime import execute
 

@@ -8,6 +8,18 @@ from typing import Any, Callable
 from ...config import RunPlan
 from ...protocols import BuildContext
 from ..capture import eval_loader, stream_loader
+from .networked import (
+    MANIFEST_MARKER,
+    RECORD_MARKER,
+    LeaseKeeper,
+    StreamFeatureSet,
+    describe,
+    holder_id,
+    is_networked,
+    open_control,
+    open_store,
+    wait_for_marker,
+)
 from .record import (
     CONTROL_DIR,
     FINISHED_MARKER,
@@ -41,40 +53,66 @@ class StreamSource:
 
     def __init__(self, plan: RunPlan, strategy: Any, context: BuildContext, *,
                  sync: Callable[[], None] = lambda: None) -> None:
-        from ...features import FeatureSet
-
-        assert plan.features is not None
         self.plan = plan
         self.sync = sync
         self.rank = context.rank
-        self._lock = hold_lock(os.path.join(plan.features, CONTROL_DIR, f"consumer.rank{context.rank}.lock"),
-                               f"consumer (rank {context.rank})")
         self.control: Any = None
+        self._lock: int | None = None
+        self._keeper: Any = None
         try:
-            self.control = stream_control(plan, context)
-            self.record = wait_for_stream(plan.features, self.control.channel.idle_timeout_s)
-            self.features = FeatureSet.open(plan.features)
+            if is_networked(plan):
+                self._open_networked(plan, context)
+            else:
+                self._open_directory(plan, context)
             self.target = self.features.target
             self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
             if plan.train.max_steps is None and self.record["epochs"] != plan.train.epochs:
                 raise StreamError(
                     f"the producer streams {self.record['epochs']} epoch(s) of {self.record['train_samples']} samples "
-                    f"into {plan.features}, but this consumer plans train.epochs={plan.train.epochs}; set "
+                    f"into {self.where}, but this consumer plans train.epochs={plan.train.epochs}; set "
                     f"train.epochs={self.record['epochs']} (or train.max_steps) so that it trains what is streamed")
-            # The training stream: the plan's cross-process store, or the directory's disk store
-            # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
-            # come from the directory and are never released.
-            self.store = stream_store(plan, context)
-            self.eval_store = self.features.open_store(context)
-            if self.store is None:
-                self.store = self.features.open_store(context, consume_once=True)
-            self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
         except BaseException:
             self.close()
             raise
         self.fingerprint = self.features.fingerprint
         self.loader: Any = None
         self._unreleased: list[tuple[int, list[str]]] = []  # (ack step, sample ids), oldest first
+
+    def _open_directory(self, plan: RunPlan, context: BuildContext) -> None:
+        """The stream of a shared features directory (sqlite control plane, lock files)."""
+        from ...features import FeatureSet
+
+        assert plan.features is not None
+        self.where = str(plan.features)
+        self._lock = hold_lock(os.path.join(plan.features, CONTROL_DIR, f"consumer.rank{context.rank}.lock"),
+                               f"consumer (rank {context.rank})")
+        self.control = stream_control(plan, context)
+        self.record = wait_for_stream(plan.features, self.control.channel.idle_timeout_s)
+        self.features = FeatureSet.open(plan.features)
+        # The training stream: the plan's cross-process store, or the directory's disk store
+        # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
+        # come from the directory and are never released.
+        self.store = stream_store(plan, context)
+        self.eval_store = self.features.open_store(context)
+        if self.store is None:
+            self.store = self.features.open_store(context, consume_once=True)
+        self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
+
+    def _open_networked(self, plan: RunPlan, context: BuildContext) -> None:
+        """The stream of a networked control plane: record, manifest and lease there, tensors in the store."""
+        self.control = open_control(plan, context)
+        self.where = describe(self.control)
+        self._keeper = LeaseKeeper(self.control, holder_id(f"consumer.rank{context.rank}"))
+        self._keeper.take(f"consumer.rank{context.rank}")
+        metadata = self.control.metadata
+        self.record = wait_for_marker(metadata, RECORD_MARKER, self.control.channel.idle_timeout_s,
+                                      f"no producer started {self.where}: start `specforge run --role producer` "
+                                      "with the same control plane, feature store and data")
+        self.store = open_store(plan, context, self.control)
+        self.eval_store = None  # the eval split lives in the same store and is never released
+        self.features = StreamFeatureSet(path=self.where, manifest=metadata.get_marker(MANIFEST_MARKER),
+                                         store=self.store)
+        self.eval_refs = self.features.eval_refs()
 
     def frozen_parts(self) -> dict[str, Any]:
         return self.features.frozen_parts()
@@ -98,7 +136,7 @@ class StreamSource:
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
         if not self.eval_refs:
             return None
-        return lambda: eval_loader(self.eval_store, self.eval_refs, collate, batch_size, rank, world_size)
+        return lambda: eval_loader(self.eval_store or self.store, self.eval_refs, collate, batch_size, rank, world_size)
 
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Take up the stream after the checkpoint of ``global_step`` (0: from the beginning).
@@ -111,9 +149,10 @@ class StreamSource:
         if global_step < released:
             where = "from the beginning" if global_step == 0 else f"from the checkpoint of step {global_step}"
             raise StreamError(
-                f"the samples trained up to step {released} of the stream in {self.plan.features} were deleted after "
+                f"the samples trained up to step {released} of the stream in {self.where} were deleted after "
                 f"a checkpoint covered them, so this consumer cannot start {where}: resume from the latest "
-                "checkpoint (--resume latest), or stream into a new --features directory for a new run")
+                "checkpoint (--resume latest), or start a new stream (a new --features directory or "
+                "control_plane.schema) for a new run")
         metadata.requeue_acked_after(global_step)
         self.sync()  # every rank sees the requeued samples before any rank re-reads the channel
         acked = self.control.resume_consumer().acked
@@ -145,6 +184,9 @@ class StreamSource:
             self.control.metadata.set_marker(FINISHED_MARKER, {"step": global_step})
 
     def close(self) -> None:
+        if self._keeper is not None:  # before the control plane's connection goes
+            self._keeper.stop()
+            self._keeper = None
         if getattr(self, "control", None) is not None:
             self.control.close()
         for name in ("store", "eval_store"):

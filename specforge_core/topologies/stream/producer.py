@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ...config import RunPlan
+from ...contracts import SampleRef
 from ..capture import (
     capture_batch,
     capture_batch_size,
@@ -36,13 +37,30 @@ from ..capture import (
     stream_sample_id,
     supervised_token_counts,
 )
+from .networked import (
+    CLEANED_MARKER,
+    FROZEN_ID,
+    MANIFEST_MARKER,
+    RECORD_MARKER,
+    SETUP_LEASE,
+    TOKEN_COUNTS_ID,
+    LeaseKeeper,
+    describe,
+    holder_id,
+    is_networked,
+    open_control,
+    open_store,
+    stream_manifest,
+)
 from .record import (
     CONTROL_DIR,
     FINISHED_MARKER,
     StreamError,
+    check_same_stream,
     hold_lock,
     read_stream_record,
     stream_control,
+    stream_record,
     stream_store,
     write_stream_record,
 )
@@ -72,10 +90,12 @@ def _stay_until_trained(metadata: Any, idle_timeout_s: float) -> None:
 
 def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
     """Capture ``plan``'s data into the shared ``plan.features`` directory and stream it; resumable."""
-    assert plan.features is not None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise StreamError("a producer runs as one process (it captures the whole stream; consumers split it); "
-                          "start it without torchrun")
+                          "start it without torchrun (with a networked control plane, start several producers "
+                          "for a pool)")
+    if is_networked(plan):
+        return _produce_networked(plan)
     lock = hold_lock(os.path.join(str(plan.features), CONTROL_DIR, "producer.lock"), "producer")
     try:
         return _produce(plan)
@@ -84,6 +104,7 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
 
 
 def _produce(plan: RunPlan) -> dict[str, Any]:
+    assert plan.features is not None
     from tqdm import tqdm
 
     from ...features import create_feature_set, save_token_counts
@@ -95,16 +116,8 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
     samples, eval_samples, report = prepared_samples(plan, engine)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
-    suggest = getattr(engine, "suggested_train_options", None)
-    # The consumer has no target engine: it applies the engine's suggested train defaults from here.
-    record = {"train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs, "seed": seed,
-              "suggested_train_options": dict(suggest()) if suggest is not None else {}}
-    previous = read_stream_record(plan.features)
-    if previous is not None and previous != record:
-        changed = sorted(k for k in record if previous.get(k) != record.get(k))
-        raise StreamError(f"{plan.features} already streams {previous}; this producer would stream {record} "
-                          f"({', '.join(changed)} differ). A stream cannot change under its consumers: use the same "
-                          "data and train options, or a new --features directory")
+    record = stream_record(plan, samples, eval_samples, engine)
+    check_same_stream(read_stream_record(plan.features), record, str(plan.features), "a new --features directory")
     root, store = create_feature_set(plan.features, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
                                      target=target, frozen_parts=engine.frozen_parts(), context=context)
@@ -155,8 +168,131 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
     result = {"features": str(root), "published": published + republished, "reused": len(committed),
               "train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": epochs,
               "data": report.summary()}
-    Path(plan.output).mkdir(parents=True, exist_ok=True)
+    return _write_summary(plan, result)
+
+
+def _write_summary(plan: RunPlan, result: dict[str, Any]) -> dict[str, Any]:
     from ...fileio import atomic_write_text
 
+    Path(plan.output).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(plan.output) / "producer_summary.json", json.dumps(result, indent=2, sort_keys=True))
     return result
+
+
+def _produce_networked(plan: RunPlan) -> dict[str, Any]:
+    """One member of a producer pool of a networked stream (see :mod:`.networked`)."""
+    import time
+
+    from tqdm import tqdm
+
+    from ...errors import ChannelClosedError, LeaseHeldError
+    from ...options import options_to_dict
+
+    context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
+    name = plan["strategy"].spec.name
+    samples, eval_samples, report = prepared_samples(plan, engine)
+    batch_size = capture_batch_size(plan)
+    epochs, seed = plan.train.epochs, plan.train.seed
+    record = stream_record(plan, samples, eval_samples, engine)
+    control = open_control(plan, context)
+    holder = holder_id("producer")
+    keeper = store = None
+    streaming = False
+    try:
+        metadata, channel, pool = control.metadata, control.channel, control.pool
+        where = describe(control)
+        check_same_stream(metadata.get_marker(RECORD_MARKER), record, where, "another control_plane.schema")
+        frozen = engine.frozen_parts()
+        manifest = stream_manifest(name, options_to_dict(plan["strategy"].options), capture_plan, target, frozen)
+        store = open_store(plan, context, control)
+        keeper = LeaseKeeper(control, holder)
+        # One producer of the pool captures the eval split and stores the target parts; the
+        # others wait for its stream record (or take over if it dies: its lease expires).
+        deadline = time.monotonic() + channel.idle_timeout_s
+        while metadata.get_marker(RECORD_MARKER) is None:
+            try:
+                keeper.take(SETUP_LEASE)
+            except LeaseHeldError:
+                if time.monotonic() > deadline:
+                    raise StreamError(f"another producer has been setting up {where} for {channel.idle_timeout_s:g}s "
+                                      "(control_plane.idle_timeout_s) without finishing; is it stuck?") from None
+                time.sleep(0.5)
+                continue
+            if metadata.get_marker(RECORD_MARKER) is None:
+                _set_up_stream(plan, control, store, engine, capture_plan, samples, eval_samples,
+                               {**manifest, "train_samples": len(samples)}, frozen, record)
+        stored = metadata.get_marker(MANIFEST_MARKER)
+        check_same_stream({k: stored.get(k) for k in manifest}, manifest, where, "another control_plane.schema")
+        check_same_stream(metadata.get_marker(RECORD_MARKER), record, where, "another control_plane.schema")
+        orders: dict[int, list[int]] = {}
+
+        def sample_at(position: int) -> tuple[Any, int]:
+            epoch = position // len(samples)
+            order = orders.setdefault(epoch, epoch_order(len(samples), epoch, seed))
+            return samples[order[position % len(samples)]], epoch
+
+        published, total = 0, epochs * len(samples)
+        streaming = True
+        with tqdm(desc="capture train", total=total, unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
+            while True:
+                if keeper.lost.is_set():
+                    raise StreamError(f"this producer lost its lease on {where} (it renewed too late); stopping")
+                # Paused by backpressure, a producer still fills gaps dead producers left: the
+                # consumers wait for those positions before anything behind them.
+                if pool.open_claims() == 0:
+                    break  # the pool published every position; the last completion closed the stream
+                try:
+                    has_room = channel.wait_for_capacity(timeout=keeper.ttl_s / 3)
+                except ChannelClosedError:
+                    if pool.open_claims() == 0:
+                        break  # another producer completed the last position meanwhile
+                    raise
+                positions = pool.claim(holder, batch_size, keeper.ttl_s, expired_only=not has_room)
+                if not positions:
+                    time.sleep(0.2 if has_room else 0)  # the rest is claimed by live producers
+                    continue
+                batch = [sample_at(p) for p in positions]
+                captured = capture_batch(engine, capture_plan, [sample for sample, _ in batch])
+                refs = [put_captured(store, [sample], [features], epoch=epoch, strategy=name)[0]
+                        for (sample, epoch), features in zip(batch, captured)]
+                pool.complete(holder, positions, refs)
+                published += len(refs)
+                progress.update(len(refs))
+        if "persistent" not in plan["feature_store"].spec.capabilities:
+            _stay_until_trained(metadata, channel.idle_timeout_s)
+            if metadata.set_marker_once(CLEANED_MARKER, holder) == holder:  # one producer frees the stream's objects
+                for ref in [*map(SampleRef.from_dict, stored.get("eval_refs", [])), FROZEN_ID, TOKEN_COUNTS_ID]:
+                    store.abort(ref if isinstance(ref, str) else ref.sample_id)
+    except Exception as exc:
+        if streaming:  # the consumers stop with this error rather than wait for samples
+            control.channel.fail(f"a producer failed: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if keeper is not None:
+            keeper.stop()
+        if store is not None:
+            store.close()
+        control.close()
+    return _write_summary(plan, {"stream": where, "published": published, "reused": 0, "train_samples": len(samples),
+                                 "eval_samples": len(eval_samples), "epochs": epochs, "holder": holder,
+                                 "data": report.summary()})
+
+
+def _set_up_stream(plan: RunPlan, control: Any, store: Any, engine: Any, capture_plan: Any, samples: list[Any],
+                   eval_samples: list[Any], manifest: dict[str, Any], frozen: dict[str, Any],
+                   record: dict[str, Any]) -> None:
+    """Store the eval split, target parts and token counts, open the claims, then write the record."""
+    from tqdm import tqdm
+
+    name = plan["strategy"].spec.name
+    with tqdm(desc="capture eval", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
+        eval_refs = list(capture_into(store, engine, capture_plan, eval_samples, batch_size=capture_batch_size(plan),
+                                      split="eval", strategy=name, progress=progress))
+    frozen_ref = store.put(FROZEN_ID, {k: v.detach().cpu().contiguous() for k, v in frozen.items()})
+    counts = supervised_token_counts(((s.input_ids, s.loss_mask) for s in samples), manifest["target"]["vocab_size"])
+    counts_ref = store.put(TOKEN_COUNTS_ID, {"token_counts": counts})
+    control.metadata.set_marker(MANIFEST_MARKER, {**manifest, "frozen_parts_ref": frozen_ref.to_dict(),
+                                                  "token_counts_ref": counts_ref.to_dict(),
+                                                  "eval_refs": [ref.to_dict() for ref in eval_refs]})
+    control.pool.open_positions(plan.train.epochs * len(samples))
+    control.metadata.set_marker(RECORD_MARKER, record)  # last: consumers and other producers start on it

@@ -114,6 +114,23 @@ def write_stream_record(root: Path, record: dict[str, Any]) -> None:
     atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
 
 
+def stream_record(plan: RunPlan, samples: list[Any], eval_samples: list[Any], engine: Any) -> dict[str, Any]:
+    """What a producer streams, which every producer and consumer of the stream must agree on."""
+    suggest = getattr(engine, "suggested_train_options", None)
+    # The consumer has no target engine: it applies the engine's suggested train defaults from here.
+    return {"train_samples": len(samples), "eval_samples": len(eval_samples), "epochs": plan.train.epochs,
+            "seed": plan.train.seed, "suggested_train_options": dict(suggest()) if suggest is not None else {}}
+
+
+def check_same_stream(previous: dict[str, Any] | None, record: dict[str, Any], where: str, remedy: str) -> None:
+    """Refuse a producer whose stream differs from the one ``where`` already streams, naming the fields."""
+    if previous is not None and previous != record:
+        changed = sorted(k for k in set(record) | set(previous) if previous.get(k) != record.get(k))
+        raise StreamError(f"{where} already streams {previous}; this producer would stream {record} "
+                          f"({', '.join(changed)} differ). A stream cannot change under its consumers: use the same "
+                          f"data and train options, or {remedy}")
+
+
 def wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
     """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
     deadline = time.monotonic() + wait_s

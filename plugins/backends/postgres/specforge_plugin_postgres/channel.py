@@ -63,7 +63,7 @@ class PostgresChannel(RestartableChannel):
         self.role = role
         self.rank, self.world_size = rank, world_size
         self._max_sleep_s = self.poll_interval_s
-        self._notify = notify_channel(db.schema or "")
+        self.notify_name = notify_channel(db.schema or "")
         self._listen_timeout_s = listen_timeout_s
         self._listener: Listener | None = None
         self._next = rank  # the next stream position this consumer expects
@@ -77,7 +77,7 @@ class PostgresChannel(RestartableChannel):
     # ---- waiting ---------------------------------------------------------------------
     def _wait(self, timeout: float) -> None:
         if self._listener is None:  # handles that never wait need no second connection
-            self._listener = Listener(self.db.conninfo, self._notify, connect_timeout_s=self._listen_timeout_s)
+            self._listener = Listener(self.db.conninfo, self.notify_name, connect_timeout_s=self._listen_timeout_s)
         self._cond.release()  # let other threads of this handle publish or report meanwhile
         try:
             self._listener.wait(timeout)
@@ -112,7 +112,7 @@ class PostgresChannel(RestartableChannel):
             conn.execute("INSERT INTO channel_refs (channel, position, sample_id, ref) "
                          "SELECT %s, %s + n - 1, sample_id, ref FROM unnest(%b::text[], %b::text[]) "
                          "WITH ORDINALITY AS batch (sample_id, ref, n)", (self.name, first, sample_ids, texts))
-            conn.execute("SELECT pg_notify(%s, %s)", (self._notify, self.name))
+            conn.execute("SELECT pg_notify(%s, %s)", (self.notify_name, self.name))
             return row[0]
 
         total = self.db.run(work, op_id=f"publish-{uuid.uuid4().hex}")
@@ -124,14 +124,14 @@ class PostgresChannel(RestartableChannel):
         def work(conn: Any) -> None:
             conn.execute("UPDATE channel_state SET end_kind = %s, end_reason = %s, end_position = published "
                          "WHERE channel = %s AND end_kind IS NULL", (kind, reason, self.name))
-            conn.execute("SELECT pg_notify(%s, %s)", (self._notify, self.name))
+            conn.execute("SELECT pg_notify(%s, %s)", (self.notify_name, self.name))
 
         self.db.run(work)  # idempotent: the first end recorded wins
 
     def _append_heartbeat(self) -> None:
         def work(conn: Any) -> None:
             conn.execute("UPDATE channel_state SET heartbeats = heartbeats + 1 WHERE channel = %s", (self.name,))
-            conn.execute("SELECT pg_notify(%s, %s)", (self._notify, self.name))
+            conn.execute("SELECT pg_notify(%s, %s)", (self.notify_name, self.name))
 
         self.db.run(work)
 
@@ -192,7 +192,7 @@ class PostgresChannel(RestartableChannel):
             conn.execute("INSERT INTO channel_consumed (channel, rank, consumed) VALUES (%s, %s, %s) "
                          "ON CONFLICT (channel, rank) DO UPDATE SET consumed = excluded.consumed",
                          (self.name, self.rank, value))
-            conn.execute("SELECT pg_notify(%s, %s)", (self._notify, self.name))
+            conn.execute("SELECT pg_notify(%s, %s)", (self.notify_name, self.name))
 
         self.db.run(work)
 

@@ -24,9 +24,14 @@ from specforge_core.errors import ControlPlaneError
 
 from .database import Database
 
-# One statement (so one round trip and one atomic commit): insert the fresh refs, count the
-# duplicates and record the op id with the fresh ids, for a retry after a lost answer.
-_COMMIT = """
+def commit_statement(record_op: bool = True) -> str:
+    """One statement (one round trip, one atomic commit) that inserts the fresh refs and counts
+    the duplicates; with ``record_op`` it also records the op id with the fresh ids, for a
+    retry after a lost answer. Parameters: ``ids``, ``refs`` (text arrays), ``n``, ``op``."""
+    op = """, op AS (
+    INSERT INTO ops (op_id, result) SELECT %(op)s, coalesce(json_agg(sample_id), '[]')::text FROM fresh
+)""" if record_op else ""
+    return f"""
 WITH batch AS (
     SELECT sample_id, ref, n FROM unnest(%(ids)b::text[], %(refs)b::text[]) WITH ORDINALITY AS b (sample_id, ref, n)
 ), fresh AS (
@@ -34,11 +39,12 @@ WITH batch AS (
     ON CONFLICT (sample_id) DO NOTHING RETURNING sample_id
 ), duplicates AS (
     UPDATE counters SET value = value + %(n)s - (SELECT count(*) FROM fresh) WHERE name = 'duplicates'
-), op AS (
-    INSERT INTO ops (op_id, result) SELECT %(op)s, coalesce(json_agg(sample_id), '[]')::text FROM fresh
-)
+){op}
 SELECT sample_id FROM fresh
 """
+
+
+_COMMIT = commit_statement()
 
 # One statement: the acks and the durable step move only when every id is known.
 _ACK = """

@@ -13,6 +13,7 @@ from specforge_core.control_planes.durable import ResumableControlPlane
 from .channel import PostgresChannel
 from .database import Database
 from .metadata import PostgresMetadataStore
+from .pool import PoolTables
 from .schema import check_schema_name, ensure_schema, schema_for
 
 
@@ -41,7 +42,8 @@ class PostgresControlPlane(ResumableControlPlane):
     keeps one channel per rank and shares the metadata.
 
     After a restart call :meth:`resume_producer` (producer) or :meth:`resume_consumer`
-    (consumer) before the first publish / poll.
+    (consumer) before the first publish / poll. ``pool`` holds the leases and a producer
+    pool's claims (:class:`~.pool.PoolTables`).
     """
 
     def __init__(self, options: Any, context: Any = None) -> None:
@@ -66,9 +68,15 @@ class PostgresControlPlane(ResumableControlPlane):
                 high_watermark=options.high_watermark, low_watermark=options.low_watermark,
                 idle_timeout_s=options.idle_timeout_s, poll_interval_s=options.poll_interval_s,
             )
+            self.pool = PoolTables(db, self.metadata, self.channel)
         except BaseException:
             db.close()
             raise
+
+    @property
+    def stream_name(self) -> str:
+        """The name both sides of a stream share: the schema (a feature store's default namespace)."""
+        return self.schema
 
     def close(self) -> None:
         """Release the connections. Does not end the stream: call ``channel.close()`` (producer) for that."""

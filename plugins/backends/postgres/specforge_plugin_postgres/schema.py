@@ -10,6 +10,8 @@ Several streams share one database, each in its own schema (``control_plane.sche
     channel_state     per ref channel: refs published, end of stream, heartbeat count
     channel_refs      per ref channel: the refs, each at its stream position
     channel_consumed  per ref channel and consumer rank: refs reported consumed
+    leases            named leases (one producer setup, one consumer per rank) with expiry
+    claims            a producer pool's work: one row per stream position, claimed with expiry
 
 Creation takes a transaction-scoped advisory lock, so processes opening one fresh schema at
 once do not race; an existing schema is checked before use and never altered.
@@ -59,10 +61,22 @@ CREATE TABLE channel_consumed (
     consumed bigint NOT NULL,
     PRIMARY KEY (channel, rank)
 );
+CREATE TABLE leases (
+    name text PRIMARY KEY,
+    holder text NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE TABLE claims (
+    position bigint PRIMARY KEY,
+    holder text,
+    expires_at timestamptz,
+    done boolean NOT NULL DEFAULT false
+);
+CREATE INDEX claims_open ON claims (position) WHERE NOT done;
 INSERT INTO counters (name, value) VALUES ('durable_step', 0), ('duplicates', 0);
 """
 TABLE_NAMES = ("meta", "samples", "markers", "counters", "ops", "channel_state", "channel_refs",
-               "channel_consumed")
+               "channel_consumed", "leases", "claims")
 
 
 def check_schema_name(name: Any) -> str:

@@ -1,0 +1,169 @@
+"""A stream across hosts that share no directory: state in a networked control plane, tensors in a store.
+
+With a control plane whose spec has the ``networked`` capability (the ``postgres`` plugin)
+and a cross-process feature store (``mooncake``), ``--role producer`` and ``--role
+consumer`` need no ``--features`` directory: both sides reach the stream through two
+addresses. What the directory holds in the shared-directory mode lives here::
+
+    marker  stream.manifest     the features manifest (target info, capture plan, strategy,
+                                frozen-parts fingerprint) plus the refs of the objects below
+    marker  stream.record       the stream record (sample counts, epochs, seed, the engine's
+                                suggested train options): consumers start once it exists
+    object  stream.frozen_parts the target's embed / lm_head / norm weights
+    object  stream.token_counts supervised token counts of the training split
+    objects <eval sample ids>   the eval split (never released by a consumer)
+    lease   stream.setup        the one producer that captures the above
+    lease   consumer.rank<r>    one consumer per rank
+    claims  one per position    the training stream, shared out among a producer pool
+
+Several producers (``--role producer`` started any number of times, e.g. one per inference
+GPU) feed one stream: each claims the lowest open positions of the epoch order, captures
+and puts them, then completes the claim (commit + publish at those positions, one
+transaction). A producer that dies stops renewing its claims; they expire and another
+producer captures them again. Consumers hand out refs by position, waiting at a gap, so the
+samples are trained in the same order whatever the number of producers or which one died.
+
+The control plane provides ``stream_name``, ``metadata`` markers (``set_marker_once``) and
+``pool`` (:class:`~specforge_plugin_postgres.pool.PoolTables`: ``take_lease``,
+``release_leases``, ``renew``, ``open_positions``, ``claim``, ``complete``,
+``open_claims``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import attrs
+
+from ...config import RunPlan
+from ...contracts import SampleRef
+from ...features import FeatureSet
+from ...protocols import BuildContext
+from .record import FINISHED_MARKER, StreamError
+
+MANIFEST_MARKER = "stream.manifest"
+RECORD_MARKER = "stream.record"
+CLEANED_MARKER = "stream.cleaned"
+FROZEN_ID = "stream.frozen_parts"
+TOKEN_COUNTS_ID = "stream.token_counts"
+SETUP_LEASE = "stream.setup"
+#: Seconds a lease or claim lives without renewal; holders renew every third of it.
+LEASE_TTL_S = float(os.environ.get("SPECFORGE_LEASE_TTL_S", "15"))
+
+
+def is_networked(plan: RunPlan) -> bool:
+    """True when the plan's control plane keeps the stream itself (no shared directory)."""
+    return plan.role is not None and "networked" in plan["control_plane"].spec.capabilities
+
+
+def holder_id(role: str) -> str:
+    """A name for this process in leases and claims: readable in an error, unique per start."""
+    return f"{role}@{socket.gethostname()}:pid{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def open_control(plan: RunPlan, context: BuildContext) -> Any:
+    from ...components import build_component
+
+    return build_component(plan, "control_plane", context)
+
+
+def open_store(plan: RunPlan, context: BuildContext, control: Any) -> Any:
+    """The stream's feature store, named after the stream so two streams on one server stay apart."""
+    from ...components import build_component
+
+    return build_component(plan, "feature_store", attrs.evolve(context, run_id=control.stream_name))
+
+
+class LeaseKeeper:
+    """Renews a holder's leases and claims every ``ttl / 3`` s on a daemon thread until :meth:`stop`.
+
+    ``lost`` is set when a lease the holder took is gone (it was too slow to renew and
+    another process took it over): the holder must stop.
+    """
+
+    def __init__(self, control: Any, holder: str, ttl_s: float = LEASE_TTL_S) -> None:
+        self.control, self.holder, self.ttl_s = control, holder, ttl_s
+        self.leases = 0
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def take(self, name: str) -> None:
+        self.control.pool.take_lease(name, self.holder, self.ttl_s)
+        self.leases += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.control.pool.renew(self.holder, self.ttl_s) < self.leases:
+                    self.lost.set()
+            except Exception as exc:  # noqa: BLE001 - the holder's own calls report the failure
+                print(f"lease renewal failed: {exc}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        """Stop renewing and give up the leases and open claims (a clean exit)."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.control.pool.release_leases(self.holder)
+        except Exception:  # noqa: BLE001 - they expire by themselves
+            pass
+
+
+def wait_for_marker(metadata: Any, key: str, wait_s: float, waiting: str) -> Any:
+    """The value of marker ``key``, waiting up to ``wait_s`` for another process to write it."""
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        value = metadata.get_marker(key)
+        if value is not None:
+            return value
+        if time.monotonic() >= deadline:
+            raise StreamError(f"{waiting} within {wait_s:g}s (control_plane.idle_timeout_s)")
+        if not told:
+            print(f"waiting: {key} is not written yet ...", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+@attrs.define
+class StreamFeatureSet(FeatureSet):
+    """The features manifest of a networked stream, its frozen parts and token counts in the store.
+
+    ``path`` is a description of the stream (used in messages); ``manifest`` is the
+    ``stream.manifest`` marker.
+    """
+
+    store: Any = None
+
+    def frozen_parts(self) -> dict[str, Any]:
+        return self.store.get(SampleRef.from_dict(self.manifest["frozen_parts_ref"]))
+
+    def stats(self) -> Any:
+        from ...protocols import DataStats
+
+        counts = self.store.get(SampleRef.from_dict(self.manifest["token_counts_ref"]))["token_counts"]
+        return DataStats(token_counts=counts, num_samples=int(self.manifest.get("train_samples", 0)))
+
+    def eval_refs(self) -> list[SampleRef]:
+        return [SampleRef.from_dict(ref) for ref in self.manifest.get("eval_refs", [])]
+
+
+def stream_manifest(strategy: str, strategy_options: dict[str, Any], capture_plan: Any, target: Any,
+                    frozen_parts: dict[str, Any]) -> dict[str, Any]:
+    """The manifest fields a consumer checks (the same as a features directory's)."""
+    from ...features import FORMAT, VERSION, frozen_fingerprint, plan_to_dict
+
+    return {"format": FORMAT, "version": VERSION, "strategy": strategy, "strategy_options": dict(strategy_options),
+            "capture_plan": plan_to_dict(capture_plan), "target": attrs.asdict(target),
+            "frozen_fingerprint": frozen_fingerprint(frozen_parts)}
+
+
+def describe(control: Any) -> str:
+    return f"stream {control.stream_name!r} at {control.address}"
