@@ -103,6 +103,16 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
         os.close(lock)
 
 
+def _producer_inputs(plan: RunPlan) -> tuple[Any, ...]:
+    """What both kinds of producer start from: (context, engine, target, capture plan, strategy
+    name, train samples, eval samples, preparation report, stream record)."""
+    context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
+    samples, eval_samples, report = prepared_samples(plan, engine)
+    record = stream_record(plan, samples, eval_samples, engine)
+    return (context, engine, target, capture_plan, plan["strategy"].spec.name, samples, eval_samples, report,
+            record)
+
+
 def _produce(plan: RunPlan) -> dict[str, Any]:
     assert plan.features is not None
     from tqdm import tqdm
@@ -111,12 +121,9 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
     from ...options import options_to_dict
 
     assert plan.features is not None
-    context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
-    name = plan["strategy"].spec.name
-    samples, eval_samples, report = prepared_samples(plan, engine)
+    context, engine, target, capture_plan, name, samples, eval_samples, report, record = _producer_inputs(plan)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
-    record = stream_record(plan, samples, eval_samples, engine)
     check_same_stream(read_stream_record(plan.features), record, str(plan.features), "a new --features directory")
     root, store = create_feature_set(plan.features, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
@@ -188,12 +195,9 @@ def _produce_networked(plan: RunPlan) -> dict[str, Any]:
     from ...errors import ChannelClosedError, LeaseHeldError
     from ...options import options_to_dict
 
-    context, _strategy, engine, target, capture_plan = capture_components(plan, role="producer")
-    name = plan["strategy"].spec.name
-    samples, eval_samples, report = prepared_samples(plan, engine)
+    context, engine, target, capture_plan, name, samples, eval_samples, report, record = _producer_inputs(plan)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
-    record = stream_record(plan, samples, eval_samples, engine)
     control = open_control(plan, context)
     holder = holder_id("producer")
     keeper = store = None
