@@ -13,7 +13,8 @@ says how they are kept in the database:
 * ``close`` / ``fail`` record the end (and the position it came at) in ``channel_state``;
   the first of them wins, and consumers drain the refs before it first;
 * ``channel_consumed`` holds each rank's consumed count (an absolute value, so writing it
-  again is harmless); the producers' backpressure sums it;
+  again is harmless); the producers' backpressure sums it. These counts and heartbeats are
+  written without waiting for the WAL flush (see ``_ADVISORY``);
 * every write sends ``NOTIFY``; a waiting consumer or paused producer sleeps on its
   :class:`~.database.Listener` until one arrives, re-reading the tables at least every
   ``poll_interval_s`` as a safety net.
@@ -34,7 +35,34 @@ from .database import Database, Listener
 #: Rows one poll reads at most (a consumer far behind reads its backlog in pieces).
 READ_BATCH = 1024
 
+# Consumed counts and heartbeats steer backpressure and idle clocks only: a server crash
+# that loses the last ones costs a late wake-up, never a sample (a consumed count is an
+# absolute value written again by the next report, and a restarted consumer restates it).
+# So they skip the WAL flush (set_config(..., true) holds for this transaction only), which
+# would otherwise double the consumer's durable writes per optimizer step: its ack is the
+# one that must be on disk. Each is one statement, one round trip.
+_ADVISORY = """
+WITH write AS ({write})
+SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(notify)s, %(channel)s)
+"""
+_HEARTBEAT = _ADVISORY.format(write="UPDATE channel_state SET heartbeats = heartbeats + 1 WHERE channel = %(channel)s")
+_CONSUMED = _ADVISORY.format(write="INSERT INTO channel_consumed (channel, rank, consumed) VALUES (%(channel)s, "
+                                   "%(rank)s, %(consumed)s) ON CONFLICT (channel, rank) DO UPDATE SET consumed = "
+                                   "excluded.consumed")
+
 _STATE = "SELECT published, end_kind, end_reason, end_position, heartbeats FROM channel_state WHERE channel = %s"
+
+# One statement, one snapshot: the channel's state and this rank's next refs. Refs published
+# before an end recorded in that state are then surely among the rows.
+_PULL = """
+SELECT s.published, s.end_kind, s.end_reason, s.end_position, s.heartbeats, r.position, r.sample_id, r.ref
+FROM channel_state s LEFT JOIN LATERAL (
+    SELECT position, sample_id, ref FROM channel_refs
+    WHERE channel = s.channel AND position >= %(next)s AND mod(position, %(world_size)s) = %(rank)s
+    ORDER BY position LIMIT %(limit)s
+) r ON true
+WHERE s.channel = %(channel)s ORDER BY r.position
+"""
 
 
 def notify_channel(schema: str) -> str:
@@ -129,11 +157,8 @@ class PostgresChannel(RestartableChannel):
         self.db.run(work)  # idempotent: the first end recorded wins
 
     def _append_heartbeat(self) -> None:
-        def work(conn: Any) -> None:
-            conn.execute("UPDATE channel_state SET heartbeats = heartbeats + 1 WHERE channel = %s", (self.name,))
-            conn.execute("SELECT pg_notify(%s, %s)", (self.notify_name, self.name))
-
-        self.db.run(work)
+        self.db.run(lambda conn: conn.execute(_HEARTBEAT, {"channel": self.name, "notify": self.notify_name}),
+                    single_statement=True)
 
     def published_sample_ids(self) -> set[str]:
         """Every sample id with a ref in this channel."""
@@ -150,16 +175,11 @@ class PostgresChannel(RestartableChannel):
     def _pull(self) -> bool:
         if self._stream_end is not None:
             return False
-
-        def work(conn: Any) -> tuple[Any, list]:
-            # State first: refs published before an end recorded in it are then surely read.
-            state = conn.execute(_STATE, (self.name,)).fetchone()
-            rows = conn.execute("SELECT position, sample_id, ref FROM channel_refs WHERE channel = %s AND "
-                                "position >= %s AND mod(position, %s) = %s ORDER BY position LIMIT %s",
-                                (self.name, self._next, self.world_size, self.rank, READ_BATCH)).fetchall()
-            return state, rows
-
-        state, rows = self.db.run(work)
+        params = {"channel": self.name, "next": self._next, "world_size": self.world_size, "rank": self.rank,
+                  "limit": READ_BATCH}
+        found = self.db.run(lambda conn: conn.execute(_PULL, params).fetchall(), single_statement=True)
+        state = found[0][:5]
+        rows = [row[5:] for row in found if row[5] is not None]
         arrived = False
         blocked = len(rows) < READ_BATCH
         for position, sample_id, text in rows:
@@ -186,15 +206,9 @@ class PostgresChannel(RestartableChannel):
         return 0 if row is None else int(row[0])
 
     def _store_consumed(self) -> None:
-        value = self._consumed_base + self._reported
-
-        def work(conn: Any) -> None:
-            conn.execute("INSERT INTO channel_consumed (channel, rank, consumed) VALUES (%s, %s, %s) "
-                         "ON CONFLICT (channel, rank) DO UPDATE SET consumed = excluded.consumed",
-                         (self.name, self.rank, value))
-            conn.execute("SELECT pg_notify(%s, %s)", (self.notify_name, self.name))
-
-        self.db.run(work)
+        params = {"channel": self.name, "rank": self.rank, "consumed": self._consumed_base + self._reported,
+                  "notify": self.notify_name}
+        self.db.run(lambda conn: conn.execute(_CONSUMED, params), single_statement=True)
 
     def consumed(self) -> int:
         """Refs reported consumed by every rank."""

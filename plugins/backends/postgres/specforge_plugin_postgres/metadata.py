@@ -1,9 +1,14 @@
 """The metadata store contract (``specforge_core.control_planes.metadata``) in PostgreSQL tables.
 
-``commit`` and ``ack`` are each one transaction, durable when they return (the server's
-``synchronous_commit``, on by default): after a crash of either side every returned
-commit and ack is there, and a half-applied batch never is. Each is a few statements for
-the whole batch (arrays, not a statement per ref), so a batch costs a few round trips.
+``commit`` and ``ack`` are each one statement for the whole batch (arrays, not a
+statement per ref): one round trip and one transaction, durable when it returns (the
+server's ``synchronous_commit``, on by default). After a crash of either side every
+returned commit and ack is there, and a half-applied batch never is.
+
+The time of both is the server's WAL flush (one per transaction; see
+``bench/control_plane.py``), so each writes little: acks are narrow rows appended to an
+ack ledger (``acks``) rather than updates of the wide ``samples`` rows, which would copy
+every ref and its index entries again.
 """
 
 from __future__ import annotations
@@ -46,15 +51,16 @@ SELECT sample_id FROM fresh
 
 _COMMIT = commit_statement()
 
-# One statement: the acks and the durable step move only when every id is known.
+# One statement: the acks and the durable step move only when every id is known; a sample
+# acked before keeps its first step (the ledger's primary key).
 _ACK = """
 WITH ids AS (
     SELECT DISTINCT unnest(%(ids)b::text[]) AS sample_id
 ), known AS (
     SELECT count(*) AS n FROM samples JOIN ids USING (sample_id)
 ), acked AS (
-    UPDATE samples SET acked_step = %(step)s
-    WHERE sample_id IN (SELECT sample_id FROM ids) AND acked_step IS NULL AND (SELECT n FROM known) = %(n)s
+    INSERT INTO acks (sample_id, step) SELECT sample_id, %(step)s FROM ids WHERE (SELECT n FROM known) = %(n)s
+    ON CONFLICT (sample_id) DO NOTHING
 ), durable AS (
     UPDATE counters SET value = GREATEST(value, %(step)s) WHERE name = 'durable_step' AND (SELECT n FROM known) = %(n)s
 )
@@ -114,8 +120,7 @@ class PostgresMetadataStore:
             raise ControlPlaneError(f"requeue_acked_after needs a global step >= 0, got {global_step!r}")
 
         def work(conn: Any) -> int:
-            count = conn.execute("UPDATE samples SET acked_step = NULL WHERE acked_step > %s",
-                                 (global_step,)).rowcount
+            count = conn.execute("DELETE FROM acks WHERE step > %s", (global_step,)).rowcount
             conn.execute("UPDATE counters SET value = LEAST(value, %s) WHERE name = 'durable_step'", (global_step,))
             return count
 
@@ -127,7 +132,8 @@ class PostgresMetadataStore:
 
     def reconcile(self) -> Reconciliation:
         def work(conn: Any) -> tuple[list, int]:
-            rows = conn.execute("SELECT ref, acked_step IS NOT NULL FROM samples ORDER BY seq").fetchall()
+            rows = conn.execute("SELECT ref, acks.step IS NOT NULL FROM samples LEFT JOIN acks USING (sample_id) "
+                                "ORDER BY seq").fetchall()
             step = conn.execute("SELECT value FROM counters WHERE name = 'durable_step'").fetchone()[0]
             return rows, step
 
@@ -140,7 +146,7 @@ class PostgresMetadataStore:
     def acked_steps(self) -> dict[str, int]:
         """Every acked sample id with the global step of its first ack (the ack ledger, for audits)."""
         return dict(self.db.run(lambda conn: conn.execute(
-            "SELECT sample_id, acked_step FROM samples WHERE acked_step IS NOT NULL").fetchall()))
+            "SELECT sample_id, step FROM acks").fetchall()))
 
     def set_marker(self, key: str, value: Any) -> None:
         text = encode_marker(key, value)
@@ -167,7 +173,7 @@ class PostgresMetadataStore:
 
     def stats(self) -> dict[str, int]:
         def work(conn: Any) -> tuple[int, int, int]:
-            committed, acked = conn.execute("SELECT count(*), count(acked_step) FROM samples").fetchone()
+            committed, acked = conn.execute("SELECT (SELECT count(*) FROM samples), (SELECT count(*) FROM acks)").fetchone()
             duplicates = conn.execute("SELECT value FROM counters WHERE name = 'duplicates'").fetchone()[0]
             return committed, acked, duplicates
 

@@ -3,7 +3,8 @@
 Several streams share one database, each in its own schema (``control_plane.schema``)::
 
     meta              format and schema version, written once at creation
-    samples           one row per committed sample: its ref (JSON), commit order, first ack step
+    samples           one row per committed sample: its ref (JSON) and commit order
+    acks              the ack ledger: one row per acked sample with the global step of its first ack
     markers           small JSON values (data positions, stream record, leases' companions)
     counters          durable_step (highest acked global step), duplicates
     ops               ids of non-idempotent writes with their results (retries after a lost commit)
@@ -33,10 +34,9 @@ CREATE TABLE meta (key text PRIMARY KEY, value text NOT NULL);
 CREATE TABLE samples (
     seq bigserial PRIMARY KEY,
     sample_id text NOT NULL UNIQUE,
-    ref text NOT NULL,
-    acked_step bigint
+    ref text NOT NULL
 );
-CREATE INDEX samples_acked_step ON samples (acked_step) WHERE acked_step IS NOT NULL;
+CREATE TABLE acks (sample_id text PRIMARY KEY, step bigint NOT NULL);
 CREATE TABLE markers (key text PRIMARY KEY, value text NOT NULL);
 CREATE TABLE counters (name text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE ops (op_id text PRIMARY KEY, result text NOT NULL);
@@ -75,7 +75,7 @@ CREATE TABLE claims (
 CREATE INDEX claims_open ON claims (position) WHERE NOT done;
 INSERT INTO counters (name, value) VALUES ('durable_step', 0), ('duplicates', 0);
 """
-TABLE_NAMES = ("meta", "samples", "markers", "counters", "ops", "channel_state", "channel_refs",
+TABLE_NAMES = ("meta", "samples", "acks", "markers", "counters", "ops", "channel_state", "channel_refs",
                "channel_consumed", "leases", "claims")
 
 
