@@ -14,6 +14,7 @@ from .networked import (
     LeaseKeeper,
     StreamFeatureSet,
     describe,
+    end_stream,
     holder_id,
     is_networked,
     open_control,
@@ -59,6 +60,7 @@ class StreamSource:
         self.control: Any = None
         self._lock: int | None = None
         self._keeper: Any = None
+        self._finished = False
         try:
             if is_networked(plan):
                 self._open_networked(plan, context)
@@ -182,17 +184,24 @@ class StreamSource:
         """Training ended normally at ``global_step`` (its checkpoint written): tell the producer."""
         if self.rank == 0:
             self.control.metadata.set_marker(FINISHED_MARKER, {"step": global_step})
+            self._finished = True
 
     def close(self) -> None:
-        if self._keeper is not None:  # before the control plane's connection goes
-            self._keeper.stop()
-            self._keeper = None
-        if getattr(self, "control", None) is not None:
-            self.control.close()
-        for name in ("store", "eval_store"):
-            store = getattr(self, name, None)
-            if store is not None:
-                store.close()
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        """Release everything; after a finished networked run, rank 0 first frees the stream's
+        objects (every rank has passed the run's last barrier by then: nobody reads them)."""
+        try:
+            if self._finished and self._keeper is not None:
+                end_stream(self.control, self.store, self.features.manifest)
+        finally:
+            if self._keeper is not None:  # before the control plane's connection goes
+                self._keeper.stop()
+                self._keeper = None
+            if getattr(self, "control", None) is not None:
+                self.control.close()
+            for name in ("store", "eval_store"):
+                store = getattr(self, name, None)
+                if store is not None:
+                    store.close()
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None

@@ -15,6 +15,7 @@ addresses. What the directory holds in the shared-directory mode lives here::
     lease   stream.setup        the one producer that captures the above
     lease   consumer.rank<r>    one consumer per rank
     claims  one per position    the training stream, shared out among a producer pool
+    marker  stream.cleaned      written by the consumer that freed the objects above at the end
 
 Several producers (``--role producer`` started any number of times, e.g. one per inference
 GPU) feed one stream: each claims the lowest open positions of the epoch order, captures
@@ -95,8 +96,20 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()
 
-    def take(self, name: str) -> None:
-        self.control.pool.take_lease(name, self.holder, self.ttl_s)
+    def take(self, name: str, wait_s: float | None = None) -> None:
+        """Take lease ``name``, waiting up to ``wait_s`` (default: one lease ttl and a second)
+        for a holder that died to let it expire; a live holder keeps it (LeaseHeldError)."""
+        from ...errors import LeaseHeldError
+
+        deadline = time.monotonic() + (self.ttl_s + 1.0 if wait_s is None else wait_s)
+        while True:
+            try:
+                self.control.pool.take_lease(name, self.holder, self.ttl_s)
+                break
+            except LeaseHeldError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
         self.leases += 1
 
     def _run(self) -> None:
@@ -163,6 +176,35 @@ def stream_manifest(strategy: str, strategy_options: dict[str, Any], capture_pla
     return {"format": FORMAT, "version": VERSION, "strategy": strategy, "strategy_options": dict(strategy_options),
             "capture_plan": plan_to_dict(capture_plan), "target": attrs.asdict(target),
             "frozen_fingerprint": frozen_fingerprint(frozen_parts)}
+
+
+def lends_memory(plan: RunPlan, store: Any) -> bool:
+    """Whether samples put through ``store`` may live in this process's memory and vanish with it.
+
+    True for a store that is not persistent unless it says otherwise: a Mooncake client with
+    ``global_segment_size=0`` lends nothing, its samples live in a segment holder's memory.
+    """
+    if "persistent" in plan["feature_store"].spec.capabilities:
+        return False
+    return bool(getattr(store, "lends_memory", True))
+
+
+def end_stream(control: Any, store: Any, manifest: dict[str, Any]) -> None:
+    """Free what the stream kept in the store for its whole life, once training finished.
+
+    Every training sample was released by the consumers; what is left is the eval split,
+    the frozen parts and the token counts, plus anything a killed producer stored and never
+    published. A store that can drop its whole namespace (``destroy()``) does that.
+    """
+    destroy = getattr(store, "destroy", None)
+    if destroy is not None:
+        destroy()
+    else:
+        for ref in manifest.get("eval_refs", []):
+            store.abort(SampleRef.from_dict(ref).sample_id)
+        for sample_id in (FROZEN_ID, TOKEN_COUNTS_ID):
+            store.abort(sample_id)
+    control.metadata.set_marker(CLEANED_MARKER, {"by": holder_id("consumer")})
 
 
 def describe(control: Any) -> str:

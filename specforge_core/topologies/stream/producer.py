@@ -14,18 +14,19 @@ again, and the stream goes on where it stopped (a finished stream publishes noth
 producer that fails with an error fails the channel, so the consumers stop with that error
 instead of waiting for more samples. One producer runs per stream (``control/producer.lock``),
 as one process. With a store that is not persistent (Mooncake) the producer stays until the
-consumers finished training, since samples may live in memory it lends.
+consumers finished training if samples may live in memory it lends (a Mooncake client with
+``global_segment_size`` > 0; with 0 they live in a segment holder's memory).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from ...config import RunPlan
-from ...contracts import SampleRef
 from ..capture import (
     capture_batch,
     capture_batch_size,
@@ -38,7 +39,6 @@ from ..capture import (
     supervised_token_counts,
 )
 from .networked import (
-    CLEANED_MARKER,
     FROZEN_ID,
     MANIFEST_MARKER,
     RECORD_MARKER,
@@ -48,6 +48,7 @@ from .networked import (
     describe,
     holder_id,
     is_networked,
+    lends_memory,
     open_control,
     open_store,
     stream_manifest,
@@ -69,10 +70,10 @@ from .record import (
 def _stay_until_trained(metadata: Any, idle_timeout_s: float) -> None:
     """Wait until the consumers finished training (their last checkpoint written).
 
-    A store without the ``persistent`` capability (Mooncake) may hold samples in memory
-    this process lends to the cluster; they would vanish with it, and a consumer resuming
-    from its last checkpoint needs every sample acked after it. Gives up with an error when
-    the consumers ack nothing for ``idle_timeout_s``.
+    A store that is not persistent may hold samples in memory this process lends to the
+    cluster (see :func:`.networked.lends_memory`); they would vanish with it, and a consumer
+    resuming from its last checkpoint needs every sample acked after it. Gives up with an
+    error when the consumers ack nothing for ``idle_timeout_s``.
     """
     import time
 
@@ -160,7 +161,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
                     published += len(fresh)
                     progress.update(len(batch))
         channel.close()
-        if train_store is not store and "persistent" not in plan["feature_store"].spec.capabilities:
+        if train_store is not store and lends_memory(plan, train_store):
             _stay_until_trained(metadata, channel.idle_timeout_s)
     except Exception as exc:
         if control is not None:  # the consumers stop with this error rather than wait for samples
@@ -192,7 +193,7 @@ def _produce_networked(plan: RunPlan) -> dict[str, Any]:
 
     from tqdm import tqdm
 
-    from ...errors import ChannelClosedError, LeaseHeldError
+    from ...errors import ChannelClosedError, ClaimLostError, LeaseHeldError
     from ...options import options_to_dict
 
     context, engine, target, capture_plan, name, samples, eval_samples, report, record = _producer_inputs(plan)
@@ -251,22 +252,27 @@ def _produce_networked(plan: RunPlan) -> dict[str, Any]:
                     if pool.open_claims() == 0:
                         break  # another producer completed the last position meanwhile
                     raise
-                positions = pool.claim(holder, batch_size, keeper.ttl_s, expired_only=not has_room)
-                if not positions:
+                claims = pool.claim(holder, batch_size, keeper.ttl_s, expired_only=not has_room)
+                if not claims:
                     time.sleep(0.2 if has_room else 0)  # the rest is claimed by live producers
                     continue
-                batch = [sample_at(p) for p in positions]
-                captured = capture_batch(engine, capture_plan, [sample for sample, _ in batch])
-                refs = [put_captured(store, [sample], [features], epoch=epoch, strategy=name)[0]
-                        for (sample, epoch), features in zip(batch, captured)]
-                pool.complete(holder, positions, refs)
+                batch = [(*sample_at(position), attempt) for position, attempt in claims]
+                captured = capture_batch(engine, capture_plan, [sample for sample, _, _ in batch])
+                refs = [put_captured(store, [sample], [features], epoch=epoch, strategy=name, attempt=attempt)[0]
+                        for (sample, epoch, attempt), features in zip(batch, captured)]
+                try:
+                    pool.complete(holder, [position for position, _ in claims], refs)
+                except ClaimLostError as exc:
+                    # This producer stalled past its claims' expiry and another one took them;
+                    # the objects of this attempt are its own (ids per attempt): drop them.
+                    for ref in refs:
+                        store.abort(ref.sample_id)
+                    print(f"warning: {exc}", file=sys.stderr, flush=True)
+                    continue
                 published += len(refs)
                 progress.update(len(refs))
-        if "persistent" not in plan["feature_store"].spec.capabilities:
+        if lends_memory(plan, store):  # samples may live in memory this process lends: stay for them
             _stay_until_trained(metadata, channel.idle_timeout_s)
-            if metadata.set_marker_once(CLEANED_MARKER, holder) == holder:  # one producer frees the stream's objects
-                for ref in [*map(SampleRef.from_dict, stored.get("eval_refs", [])), FROZEN_ID, TOKEN_COUNTS_ID]:
-                    store.abort(ref if isinstance(ref, str) else ref.sample_id)
     except Exception as exc:
         if streaming:  # the consumers stop with this error rather than wait for samples
             control.channel.fail(f"a producer failed: {type(exc).__name__}: {exc}")

@@ -10,7 +10,9 @@ position. A producer claims the lowest open positions with ``FOR UPDATE SKIP LOC
 (never two producers for one position), captures them, and :meth:`complete` marks them
 done, commits their refs and publishes them at their positions in **one transaction**: a
 position is published exactly once, or its claim is still open. A producer that dies
-mid-claim stops renewing; its claims expire and return to the pool.
+mid-claim stops renewing; its claims expire and return to the pool, and the next claim on
+such a position reports a higher attempt (whose samples get ids of their own, see
+``specforge_core.topologies.capture.stream_sample_id``).
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ class PoolTables:
         self.db.run(lambda conn: conn.execute(
             "INSERT INTO claims (position) SELECT generate_series(0, %s - 1) ON CONFLICT DO NOTHING", (total,)))
 
-    def claim(self, holder: str, count: int, ttl_s: float, *, expired_only: bool = False) -> list[int]:
-        """Claim up to ``count`` of the lowest open positions for ``holder``; the positions, ascending.
+    def claim(self, holder: str, count: int, ttl_s: float, *, expired_only: bool = False) -> list[tuple[int, int]]:
+        """Claim up to ``count`` of the lowest open positions for ``holder``: ``(position, attempt)``
+        pairs by position, where ``attempt`` counts the claims ever taken on that position
+        (1 the first time; more when an earlier holder's claim expired).
 
         ``expired_only`` takes only claims a dead producer left (what a producer paused by
         backpressure must still fill: the consumers wait for those gaps).
@@ -82,12 +86,12 @@ class PoolTables:
         free = "holder IS NOT NULL AND expires_at < now()" if expired_only else \
             "holder IS NULL OR expires_at < now()"
 
-        def work(conn: Any) -> list[int]:
+        def work(conn: Any) -> list[tuple[int, int]]:
             rows = conn.execute(
-                "UPDATE claims SET holder = %s, expires_at = now() + make_interval(secs => %s) WHERE position IN ("
-                f"SELECT position FROM claims WHERE NOT done AND ({free}) ORDER BY position LIMIT %s "
-                "FOR UPDATE SKIP LOCKED) RETURNING position", (holder, ttl_s, count)).fetchall()
-            return sorted(row[0] for row in rows)
+                "UPDATE claims SET holder = %s, expires_at = now() + make_interval(secs => %s), attempt = attempt + 1 "
+                f"WHERE position IN (SELECT position FROM claims WHERE NOT done AND ({free}) ORDER BY position "
+                "LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING position, attempt", (holder, ttl_s, count)).fetchall()
+            return sorted((int(position), int(attempt)) for position, attempt in rows)
 
         return self.db.run(work)
 

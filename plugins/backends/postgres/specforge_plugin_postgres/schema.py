@@ -12,7 +12,8 @@ Several streams share one database, each in its own schema (``control_plane.sche
     channel_refs      per ref channel: the refs, each at its stream position
     channel_consumed  per ref channel and consumer rank: refs reported consumed
     leases            named leases (one producer setup, one consumer per rank) with expiry
-    claims            a producer pool's work: one row per stream position, claimed with expiry
+    claims            a producer pool's work: one row per stream position, claimed with expiry,
+                      counting the claims taken on it (attempts)
 
 Creation takes a transaction-scoped advisory lock, so processes opening one fresh schema at
 once do not race; an existing schema is checked before use and never altered.
@@ -70,6 +71,7 @@ CREATE TABLE claims (
     position bigint PRIMARY KEY,
     holder text,
     expires_at timestamptz,
+    attempt integer NOT NULL DEFAULT 0,
     done boolean NOT NULL DEFAULT false
 );
 CREATE INDEX claims_open ON claims (position) WHERE NOT done;

@@ -73,14 +73,16 @@ class LocalPostgres:
 
     ``dsn`` is a ``postgresql://`` URI with the test user's password; ``port`` is chosen
     free on 127.0.0.1 unless given (inside a network namespace, give it). ``settings`` are
-    extra ``-c name=value`` server settings.
+    extra ``-c name=value`` server settings. ``allow_from`` lists the networks (CIDR) besides
+    loopback whose clients may log in with the password (``pg_hba.conf``).
     """
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None,
                  command_prefix: Sequence[str] = (), settings: dict[str, Any] | None = None,
-                 start_timeout_s: int = 60) -> None:
+                 start_timeout_s: int = 60, allow_from: Sequence[str] = ()) -> None:
         self.host = host
         self.port = port
+        self.allow_from = tuple(allow_from)
         self.command_prefix = tuple(command_prefix)
         self.settings = dict(settings or {})
         self.start_timeout_s = start_timeout_s
@@ -96,6 +98,12 @@ class LocalPostgres:
     @property
     def dsn(self) -> str:
         return self.dsn_for(TEST_DATABASE)
+
+    @property
+    def socket_dsn(self) -> str:
+        """A DSN through the server's Unix socket (trusted, no password): reachable from any
+        network namespace of this machine, e.g. by a test checking what the server holds."""
+        return f"host={self.root} port={self.port} dbname={TEST_DATABASE} user={TEST_USER}"
 
     def dsn_for(self, dbname: str, *, user: str = TEST_USER, password: str | None = TEST_PASSWORD) -> str:
         secret = f":{password}" if password is not None else ""
@@ -134,6 +142,9 @@ class LocalPostgres:
             self._checked("initdb", os.path.join(bindir, "initdb"), "-D", self.data_dir, "-U", TEST_USER,
                           "--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={password_file}", "-E", "UTF8", "--no-sync",
                           "--locale=C")
+            if self.allow_from:
+                with open(os.path.join(self.data_dir, "pg_hba.conf"), "a") as hba:
+                    hba.writelines(f"host all all {network} scram-sha-256\n" for network in self.allow_from)
             if self.port is None:
                 self.port = free_port(self.host)
             self._bindir = bindir

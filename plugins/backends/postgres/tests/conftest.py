@@ -33,6 +33,15 @@ def needs_postgres() -> None:
 
 
 @pytest.fixture(scope="session")
+def needs_mooncake() -> None:
+    """Skip, with the reason, where the Mooncake client cannot be loaded (no wheel, no libibverbs1)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any load failure means skip, with its text
+        pytest.skip(f"Mooncake client unavailable ({type(exc).__name__}: {exc})")
+
+
+@pytest.fixture(scope="session")
 def postgres(needs_postgres) -> Iterator[LocalPostgres]:
     """One PostgreSQL server for the session."""
     with LocalPostgres() as server:

@@ -1,37 +1,66 @@
 """A stream across hosts that share nothing on disk: PostgreSQL control plane, Mooncake tensors.
 
-Real processes through the public CLI: a PostgreSQL server and a mooncake_master, a pool
-of two producers and a two-rank consumer (torchrun, gloo), each process in a working
-directory of its own. The losses must equal those of the same run online colocated, every
-sample must be trained exactly once (the ack ledger in PostgreSQL), and no Mooncake
-object of the stream may be left.
+Real processes through the public CLI. Two network namespaces joined by a veth pair stand
+for two hosts: host A runs PostgreSQL, a mooncake_master, a segment holder and a pool of
+two producers; host B runs a two-rank consumer (torchrun, gloo). Each process works in a
+directory of its own, and the consumer is not even told where the target model is. The
+losses must equal those of the same run online colocated, every sample must be trained
+exactly once (the ack ledger in PostgreSQL), and no Mooncake object may be left.
+
+The faults run on loopback (the same processes, one network stack): a producer SIGKILLed
+while it holds a claim, a PostgreSQL restart mid-run, a consumer rank SIGKILLed mid-run
+and the consumer resumed from its checkpoint. Each run must still train every sample
+exactly once, in the colocated order, and leave no object behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
-from pathlib import Path
+import time
 
 import pytest
 
-from specforge_plugin_postgres.testing import open_plane
+from specforge_core.testing.netns import LOOPBACK, TwoHosts, netns_unavailable
+from specforge_plugin_postgres.cluster import (
+    CLUSTER_ENV,
+    LocalStreamCluster,
+    losses,
+    output,
+    rank_pids,
+    specforge_command,
+    wait_until,
+)
 
-SPECFORGE = str(Path(sys.executable).parent / "specforge")
-SAMPLES, BATCH = 16, 2
+SAMPLES, BATCH, RANKS = 24, 2, 2
+STEPS = SAMPLES // (BATCH * RANKS)
+TRAIN = ["--strategy", "eagle3", "--set", f"data.max_samples={SAMPLES}", "--set", f"train.batch_size={BATCH}",
+         "--set", "train.real_eval_prompts=0", "--set", "train.export=false", "--set", "train.save_every=2"]
+#: Producers stay at most 4 refs ahead of the consumers, so that faults land mid-run.
+PACED = ["--set", "control_plane.high_watermark=4", "--set", "control_plane.low_watermark=2"]
+FULL_LEDGER = {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0, "durable_step": STEPS,
+               "acked_ids": SAMPLES, "mooncake_objects": 0}
 
 
-@pytest.fixture(scope="module")
-def master():
-    try:
-        import mooncake.store  # noqa: F401
-        from specforge_plugin_mooncake.master import LocalMaster
-    except Exception as exc:  # noqa: BLE001 - any load failure means skip, with its text
-        pytest.skip(f"Mooncake client unavailable ({type(exc).__name__}: {exc})")
-    with LocalMaster(lease_ttl_ms=500) as running:
-        yield running
+def ledger(cluster, schema) -> dict:
+    """The audit's counts that every finished run must show (see FULL_LEDGER)."""
+    audit = cluster.audit(schema)
+    return {key: audit[key] for key in FULL_LEDGER}
+
+
+def common(tiny) -> list[str]:
+    return [*TRAIN, "--set", f"target_engine.model={tiny}"]
+
+
+def producer_args(cluster, schema, tiny, host=LOOPBACK) -> list[str]:
+    return ["run", "--role", "producer", *common(tiny), *PACED, *cluster.stream_args(schema, host), "--output", "out"]
+
+
+def consumer_args(cluster, schema, host=LOOPBACK, *extra) -> list[str]:
+    """A consumer's command: no target model (it has none to read), its own output directory."""
+    return ["run", "--role", "consumer", *TRAIN, *cluster.stream_args(schema, host), "--output", "out", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -41,69 +70,106 @@ def tiny(tmp_path_factory):
     return build_toy_target(tmp_path_factory.mktemp("toy") / "tiny", "tiny", progress=False)
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPECFORGE_STRICT_PLUGINS": "1",
-            "GLOG_minloglevel": "1", "SPECFORGE_LEASE_TTL_S": "3"}
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """The per-step losses of the same training online colocated, on two ranks."""
+    run = tmp_path_factory.mktemp("reference") / "online"
+    done = subprocess.run(specforge_command(["run", "--output", str(run), *common(tiny)], ranks=RANKS),
+                          env={**os.environ, **CLUSTER_ENV}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return losses(run)
 
 
-def common(tiny) -> list[str]:
-    return ["--strategy", "eagle3", "--set", f"target_engine.model={tiny}", "--set", f"data.max_samples={SAMPLES}",
-            "--set", f"train.batch_size={BATCH}", "--set", "train.real_eval_prompts=0", "--set", "train.export=false",
-            "--set", "train.save_every=2"]
+@pytest.fixture(scope="module")
+def hosts(needs_mooncake):
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with TwoHosts() as two:
+        yield two
 
 
-def stream_args(postgres, master, schema) -> list[str]:
-    return ["--control-plane", "postgres", "--set", f"control_plane.dsn={postgres.dsn}",
-            "--set", f"control_plane.schema={schema}", "--set", "control_plane.idle_timeout_s=120",
-            "--feature-store", "mooncake",
-            "--set", f"feature_store.master_address={master.master_address}",
-            "--set", f"feature_store.metadata_server={master.metadata_server}",
-            "--set", f"feature_store.global_segment_size={64 * 2**20}",
-            "--set", f"feature_store.local_buffer_size={16 * 2**20}", "--set", "feature_store.lease_wait_s=5"]
+@pytest.fixture(scope="module")
+def two_host_cluster(hosts, needs_postgres):
+    """PostgreSQL, a mooncake_master and a segment holder on host A; host B may log in."""
+    with LocalStreamCluster(hosts.a, clients=hosts.subnet) as cluster:
+        yield cluster
 
 
-def specforge(*args: str, ranks: int = 1) -> list[str]:
-    """The command line of ``specforge ARGS`` (under torchrun with gloo when ``ranks`` > 1)."""
-    cmd = [SPECFORGE, *args] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-        "-m", "specforge_core.cli", *args]
-    return cmd
-
-
-def losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]
-
-
-def test_two_producers_and_a_two_rank_consumer_share_only_two_addresses(postgres, master, tiny, tmp_path):
-    reference = tmp_path / "reference"
-    subprocess.run(specforge("run", "--output", str(reference), *common(tiny), ranks=2), env=env(), check=True,
-                   capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    schema = "across_hosts"
-    producers = []
-    for index in range(2):
-        home = tmp_path / f"producer{index}"
-        home.mkdir()
-        producers.append(subprocess.Popen(
-            specforge("run", "--role", "producer", *common(tiny), *stream_args(postgres, master, schema),
-                      "--output", "out"), cwd=home, env=env(), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
-    home = tmp_path / "consumer"
-    home.mkdir()
-    consumer = subprocess.run(specforge("run", "--role", "consumer", *common(tiny), *stream_args(postgres, master, schema),
-                                        "--output", "out", ranks=2),
-                              cwd=home, env=env(), capture_output=True, text=True, timeout=600)
-    outputs = [p.communicate(timeout=300) for p in producers]
-    assert consumer.returncode == 0, consumer.stderr[-4000:]
-    for proc, (out, err) in zip(producers, outputs):
-        assert proc.returncode == 0, err[-4000:]
-    published = [json.loads((tmp_path / f"producer{i}" / "out" / "producer_summary.json").read_text())["published"]
+def test_two_producers_on_one_host_feed_a_two_rank_consumer_on_another(two_host_cluster, hosts, tiny, reference,
+                                                                        tmp_path):
+    cluster, schema = two_host_cluster, "across_hosts"
+    producers = [cluster.launch(producer_args(cluster, schema, tiny, hosts.a), host=hosts.a,
+                                cwd=tmp_path / "hostA" / f"producer{i}", name=f"producer{i}")
                  for i in range(2)]
+    consumer = cluster.launch(consumer_args(cluster, schema, hosts.b), host=hosts.b,
+                              cwd=tmp_path / "hostB" / "consumer", ranks=RANKS, name="consumer")
+    assert cluster.wait(consumer, 600) == 0, output(consumer)
+    for producer in producers:
+        assert cluster.wait(producer, 120) == 0, output(producer)
+    published = [json.loads((tmp_path / "hostA" / f"producer{i}" / "out" / "producer_summary.json").read_text())
+                 ["published"] for i in range(2)]
     assert sum(published) == SAMPLES
-    assert losses(home / "out") == losses(reference)
-    plane = open_plane(postgres, schema, role="consumer")
-    try:
-        assert plane.metadata.stats() == {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0}
-        assert len(plane.metadata.acked_steps()) == SAMPLES
-    finally:
-        plane.close()
+    assert losses(tmp_path / "hostB" / "consumer" / "out") == reference
+    assert ledger(cluster, schema) == FULL_LEDGER
+
+
+# ---- faults, on loopback ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(needs_postgres, needs_mooncake):
+    with LocalStreamCluster() as running:
+        yield running
+
+
+def freeze_while_claiming(cluster, schema, process, timeout=240):
+    """SIGSTOP ``process`` at a moment it holds an open claim (checked once it is frozen)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, output(process)
+        if cluster.claims_held(schema, process.pid):
+            os.kill(process.pid, signal.SIGSTOP)
+            time.sleep(0.3)  # a completion it sent just before would be committed by now
+            if cluster.claims_held(schema, process.pid):
+                return
+            os.kill(process.pid, signal.SIGCONT)  # it completed the claim meanwhile: try the next one
+        time.sleep(0.02)
+    raise AssertionError(f"{process.name} held no claim within {timeout}s:\n{output(process)}")
+
+
+def test_a_producer_killed_mid_claim_and_a_server_restart_lose_and_repeat_nothing(cluster, tiny, reference,
+                                                                                  tmp_path):
+    schema = "fault_producer"
+    producers = [cluster.launch(producer_args(cluster, schema, tiny), host=LOOPBACK, cwd=tmp_path / f"producer{i}",
+                                name=f"producer{i}") for i in range(2)]
+    consumer = cluster.launch(consumer_args(cluster, schema), host=LOOPBACK, cwd=tmp_path / "consumer", ranks=RANKS,
+                              name="consumer")
+    freeze_while_claiming(cluster, schema, producers[0])
+    os.kill(producers[0].pid, signal.SIGKILL)  # its claim expires; the other producer captures it again
+    assert cluster.wait(producers[0], 30) == -signal.SIGKILL
+    wait_until(lambda: cluster.durable_step(schema) >= 2, 300, "the consumer's second optimizer step")
+    assert consumer.poll() is None, "the run ended before the server restart"
+    cluster.postgres.restart()  # every connection is cut; each process reconnects and goes on
+    assert cluster.wait(consumer, 600) == 0, output(consumer)
+    assert cluster.wait(producers[1], 120) == 0, output(producers[1])
+    assert losses(tmp_path / "consumer" / "out") == reference
+    audit = cluster.audit(schema)
+    assert {key: audit[key] for key in FULL_LEDGER} == FULL_LEDGER
+    assert audit["recaptured"] >= 1  # the killed producer's claim was captured again, under ids of its own
+
+
+def test_a_consumer_rank_killed_mid_run_resumes_from_its_checkpoint(cluster, tiny, reference, tmp_path):
+    schema = "fault_consumer"
+    producer = cluster.launch(producer_args(cluster, schema, tiny), host=LOOPBACK, cwd=tmp_path / "producer",
+                              name="producer")
+    consumer = cluster.launch(consumer_args(cluster, schema), host=LOOPBACK, cwd=tmp_path / "consumer", ranks=RANKS,
+                              name="consumer")
+    wait_until(lambda: cluster.durable_step(schema) >= 3, 300, "the consumer's third optimizer step")
+    os.kill(rank_pids(consumer)[1], signal.SIGKILL)
+    assert cluster.wait(consumer, 120) != 0  # torchrun ends the group when a rank dies
+    assert (tmp_path / "consumer" / "out" / "latest").exists()
+    resumed = cluster.launch(consumer_args(cluster, schema, LOOPBACK, "--resume", "latest"), host=LOOPBACK,
+                             cwd=tmp_path / "consumer", ranks=RANKS, name="resumed")
+    assert cluster.wait(resumed, 600) == 0, output(resumed)
+    assert cluster.wait(producer, 120) == 0, output(producer)
+    assert losses(tmp_path / "consumer" / "out") == reference
+    assert ledger(cluster, schema) == FULL_LEDGER

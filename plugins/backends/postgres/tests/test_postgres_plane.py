@@ -196,17 +196,17 @@ def test_claims_never_overlap_and_a_dead_producers_claim_returns_to_the_pool(pos
     consumer = open_plane(postgres, schema, role="consumer")
     try:
         plane.pool.open_positions(6)
-        assert plane.pool.claim("a", 2, ttl_s=1.0) == [0, 1]
-        assert plane.pool.claim("b", 2, ttl_s=30) == [2, 3]
+        assert plane.pool.claim("a", 2, ttl_s=1.0) == [(0, 1), (1, 1)]
+        assert plane.pool.claim("b", 2, ttl_s=30) == [(2, 1), (3, 1)]
         refs = sample_refs(6)
         assert plane.pool.complete("b", [2, 3], refs[2:4]) is False
         assert consumer.channel.poll(10, timeout=0.2) == []  # position 0 is missing: nothing behind it yet
         time.sleep(1.2)  # "a" died mid-claim
-        assert plane.pool.claim("b", 4, ttl_s=30, expired_only=True) == [0, 1]
+        assert plane.pool.claim("b", 4, ttl_s=30, expired_only=True) == [(0, 2), (1, 2)]  # second attempts
         with pytest.raises(ClaimLostError, match=r"no longer claimed by a"):
             plane.pool.complete("a", [0, 1], refs[:2])
         assert plane.pool.complete("b", [0, 1], refs[:2]) is False
-        assert plane.pool.claim("c", 9, ttl_s=30) == [4, 5]
+        assert plane.pool.claim("c", 9, ttl_s=30) == [(4, 1), (5, 1)]
         assert plane.pool.complete("c", [4, 5], refs[4:]) is True  # the last positions close the stream
         got = consumer.channel.poll(10, timeout=1)
         assert got == refs and consumer.channel.poll(1, timeout=1) == [] and consumer.channel.finished
