@@ -34,4 +34,12 @@ if [ -e plugins/backends/postgres/pyproject.toml ] && ! ls /usr/lib/postgresql/*
         echo "warning: PostgreSQL server binaries are missing; install them (apt-get install postgresql) for the postgres plugin's tests" >&2
     fi
 fi
+# The across-hosts tests make two network namespaces with iproute2's `ip netns` (as root).
+if [ -e plugins/backends/postgres/pyproject.toml ] && ! command -v ip >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq iproute2
+    else
+        echo "warning: iproute2 (ip) is missing; the across-hosts tests will be skipped" >&2
+    fi
+fi
 echo "installed into $VENV: ${args[*]}"

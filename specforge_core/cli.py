@@ -119,7 +119,9 @@ def _component_option(kind: str) -> Any:
                    "the directory a producer streams into.")
 @click.option("--role", type=click.Choice(["producer", "consumer"]), default=None,
               help="Disaggregated run: `producer` captures target features into --features DIR while a "
-                   "`consumer` (another process sharing DIR) trains from them, each sample exactly once.")
+                   "`consumer` (another process sharing DIR) trains from them, each sample exactly once. "
+                   "Across hosts, no directory: --control-plane postgres --feature-store mooncake, any "
+                   "number of producers.")
 @click.option("--resume", default=None, metavar="latest|best|PATH",
               help="Continue from a checkpoint of this run (weights, optimizer, schedule, RNG, data position).")
 @click.option("--dry-run", is_flag=True, help="Resolve and validate everything, print the plan, build nothing.")
@@ -137,8 +139,17 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     (SQLite metadata and a ref channel in DIR/control, features in DIR/store; every sample
     is trained exactly once across crashes and restarts of either side):
 
+    \b
         specforge run --role producer --strategy eagle3 --features DIR --output prod/
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
+
+    Across hosts that share no directory: a pool of producers and a torchrun consumer
+    group meet in PostgreSQL and Mooncake (see "Across hosts" in the README):
+
+    \b
+        specforge run --role producer --strategy eagle3 --control-plane postgres \\
+            --set control_plane.dsn=postgresql://USER:PASSWORD@HOST/DB --feature-store mooncake \\
+            --set feature_store.master_address=HOST:50051 --output prod/
     """
     from .config import apply_sets, load_config_file, resolve_plan, set_option
 

@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from ...config import RunPlan
 from ...protocols import BuildContext
 from ..capture import eval_loader, stream_loader
-from .networked import (
-    MANIFEST_MARKER,
-    RECORD_MARKER,
-    LeaseKeeper,
-    StreamFeatureSet,
-    describe,
-    end_stream,
-    holder_id,
-    is_networked,
-    open_control,
-    open_store,
-    wait_for_marker,
-)
-from .record import (
-    CONTROL_DIR,
-    FINISHED_MARKER,
-    RELEASED_MARKER,
-    StreamError,
-    hold_lock,
-    stream_control,
-    stream_store,
-    wait_for_stream,
-)
+from .record import FINISHED_MARKER, RELEASED_MARKER, StreamError, check_consumer_fits
+from .state import open_stream
 
 
 class StreamSource:
@@ -57,64 +35,25 @@ class StreamSource:
         self.plan = plan
         self.sync = sync
         self.rank = context.rank
-        self.control: Any = None
-        self._lock: int | None = None
-        self._keeper: Any = None
+        self.stream: Any = None
+        self.store: Any = None
+        self.eval_store: Any = None
         self._finished = False
         try:
-            if is_networked(plan):
-                self._open_networked(plan, context)
-            else:
-                self._open_directory(plan, context)
+            self.stream = open_stream(plan, context, f"consumer.rank{context.rank}")
+            self.stream.hold(f"consumer.rank{context.rank}", f"consumer (rank {context.rank})")
+            self.control, self.where = self.stream.control, self.stream.where
+            self.record = self.stream.wait_for_record(self.control.channel.idle_timeout_s)
+            self.features, self.store, self.eval_store, self.eval_refs = self.stream.consumer_features()
             self.target = self.features.target
+            check_consumer_fits(plan, self.features.manifest, self.record, self.where)
             self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
-            if plan.train.max_steps is None and self.record["epochs"] != plan.train.epochs:
-                raise StreamError(
-                    f"the producer streams {self.record['epochs']} epoch(s) of {self.record['train_samples']} samples "
-                    f"into {self.where}, but this consumer plans train.epochs={plan.train.epochs}; set "
-                    f"train.epochs={self.record['epochs']} (or train.max_steps) so that it trains what is streamed")
         except BaseException:
             self.close()
             raise
         self.fingerprint = self.features.fingerprint
         self.loader: Any = None
         self._unreleased: list[tuple[int, list[str]]] = []  # (ack step, sample ids), oldest first
-
-    def _open_directory(self, plan: RunPlan, context: BuildContext) -> None:
-        """The stream of a shared features directory (sqlite control plane, lock files)."""
-        from ...features import FeatureSet
-
-        assert plan.features is not None
-        self.where = str(plan.features)
-        self._lock = hold_lock(os.path.join(plan.features, CONTROL_DIR, f"consumer.rank{context.rank}.lock"),
-                               f"consumer (rank {context.rank})")
-        self.control = stream_control(plan, context)
-        self.record = wait_for_stream(plan.features, self.control.channel.idle_timeout_s)
-        self.features = FeatureSet.open(plan.features)
-        # The training stream: the plan's cross-process store, or the directory's disk store
-        # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
-        # come from the directory and are never released.
-        self.store = stream_store(plan, context)
-        self.eval_store = self.features.open_store(context)
-        if self.store is None:
-            self.store = self.features.open_store(context, consume_once=True)
-        self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
-
-    def _open_networked(self, plan: RunPlan, context: BuildContext) -> None:
-        """The stream of a networked control plane: record, manifest and lease there, tensors in the store."""
-        self.control = open_control(plan, context)
-        self.where = describe(self.control)
-        self._keeper = LeaseKeeper(self.control, holder_id(f"consumer.rank{context.rank}"))
-        self._keeper.take(f"consumer.rank{context.rank}")
-        metadata = self.control.metadata
-        self.record = wait_for_marker(metadata, RECORD_MARKER, self.control.channel.idle_timeout_s,
-                                      f"no producer started {self.where}: start `specforge run --role producer` "
-                                      "with the same control plane, feature store and data")
-        self.store = open_store(plan, context, self.control)
-        self.eval_store = None  # the eval split lives in the same store and is never released
-        self.features = StreamFeatureSet(path=self.where, manifest=metadata.get_marker(MANIFEST_MARKER),
-                                         store=self.store)
-        self.eval_refs = self.features.eval_refs()
 
     def frozen_parts(self) -> dict[str, Any]:
         return self.features.frozen_parts()
@@ -187,21 +126,16 @@ class StreamSource:
             self._finished = True
 
     def close(self) -> None:
-        """Release everything; after a finished networked run, rank 0 first frees the stream's
-        objects (every rank has passed the run's last barrier by then: nobody reads them)."""
+        """Release everything; after a finished run, rank 0 first ends the stream (every rank
+        has passed the run's last barrier by then: nobody reads its objects any more)."""
         try:
-            if self._finished and self._keeper is not None:
-                end_stream(self.control, self.store, self.features.manifest)
+            if self._finished:
+                self.stream.end(self.store, self.features.manifest)
         finally:
-            if self._keeper is not None:  # before the control plane's connection goes
-                self._keeper.stop()
-                self._keeper = None
-            if getattr(self, "control", None) is not None:
-                self.control.close()
-            for name in ("store", "eval_store"):
-                store = getattr(self, name, None)
+            for store in (self.store, self.eval_store):
                 if store is not None:
                     store.close()
-            if self._lock is not None:
-                os.close(self._lock)
-                self._lock = None
+            self.store = self.eval_store = None
+            if self.stream is not None:
+                self.stream.close()
+                self.stream = None

@@ -46,7 +46,7 @@ from ...config import RunPlan
 from ...contracts import SampleRef
 from ...features import FeatureSet
 from ...protocols import BuildContext
-from .record import FINISHED_MARKER, StreamError
+from .record import wait_for
 
 MANIFEST_MARKER = "stream.manifest"
 RECORD_MARKER = "stream.record"
@@ -72,13 +72,6 @@ def open_control(plan: RunPlan, context: BuildContext) -> Any:
     from ...components import build_component
 
     return build_component(plan, "control_plane", context)
-
-
-def open_store(plan: RunPlan, context: BuildContext, control: Any) -> Any:
-    """The stream's feature store, named after the stream so two streams on one server stay apart."""
-    from ...components import build_component
-
-    return build_component(plan, "feature_store", attrs.evolve(context, run_id=control.stream_name))
 
 
 class LeaseKeeper:
@@ -130,19 +123,60 @@ class LeaseKeeper:
             pass
 
 
-def wait_for_marker(metadata: Any, key: str, wait_s: float, waiting: str) -> Any:
-    """The value of marker ``key``, waiting up to ``wait_s`` for another process to write it."""
-    deadline, told = time.monotonic() + wait_s, False
-    while True:
-        value = metadata.get_marker(key)
-        if value is not None:
-            return value
-        if time.monotonic() >= deadline:
-            raise StreamError(f"{waiting} within {wait_s:g}s (control_plane.idle_timeout_s)")
-        if not told:
-            print(f"waiting: {key} is not written yet ...", file=sys.stderr, flush=True)
-            told = True
-        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+class NetworkedStream:
+    """The shared state of a stream in a networked control plane and a cross-process store
+    (see the module docstring), with the interface of :class:`.record.DirectoryStream`.
+
+    ``role`` names this process in leases and claims; a :class:`LeaseKeeper` renews what
+    it holds until :meth:`close`.
+    """
+
+    def __init__(self, plan: RunPlan, context: BuildContext, role: str) -> None:
+        self.plan, self.context = plan, context
+        self.control = open_control(plan, context)
+        self.where = describe(self.control)
+        self.keeper = LeaseKeeper(self.control, holder_id(role))
+
+    @property
+    def holder(self) -> str:
+        return self.keeper.holder
+
+    def hold(self, name: str, what: str, wait_s: float | None = None) -> None:
+        """Be the one ``what`` of the stream (lease ``name``) until :meth:`close`, waiting up to
+        ``wait_s`` (default: one lease) for a dead holder's lease to expire."""
+        self.keeper.take(name, wait_s)
+
+    def wait_for_record(self, wait_s: float) -> dict[str, Any]:
+        return wait_for(lambda: self.control.metadata.get_marker(RECORD_MARKER), wait_s,
+                        f"for a producer to set up {self.where}",
+                        f"no producer started {self.where} {{within}}: start `specforge run --role producer` with "
+                        "the same control plane, feature store and data")
+
+    def open_store(self) -> Any:
+        """The stream's feature store, named after the stream so two streams on one server stay apart."""
+        from ...components import build_component
+
+        return build_component(self.plan, "feature_store",
+                               attrs.evolve(self.context, run_id=self.control.stream_name))
+
+    def consumer_features(self) -> tuple[Any, Any, Any, list[SampleRef]]:
+        """(feature set, store, eval store, eval refs) of a consumer: the eval split lives in the
+        training store (never released), so there is no eval store of its own."""
+        store = self.open_store()
+        features = StreamFeatureSet(path=self.where, manifest=self.control.metadata.get_marker(MANIFEST_MARKER),
+                                    store=store)
+        return features, store, None, features.eval_refs()
+
+    def end(self, store: Any, manifest: dict[str, Any]) -> None:
+        """Training finished: free what the stream kept in the store (see :func:`end_stream`)."""
+        end_stream(self.control, store, manifest)
+
+    def close(self) -> None:
+        """Stop renewing and give up the leases and open claims, then close the control plane."""
+        try:
+            self.keeper.stop()
+        finally:
+            self.control.close()
 
 
 @attrs.define

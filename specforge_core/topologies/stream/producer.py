@@ -1,7 +1,11 @@
-"""The producer of a disaggregated run: capture target features into a shared directory.
+"""The producer of a disaggregated run: capture target features into a stream.
 
 ``specforge run --role producer --features DIR`` and ``specforge run --role consumer
---features DIR`` are two processes that share ``DIR`` (its layout: :mod:`.record`).
+--features DIR`` are two processes that share ``DIR`` (its layout: :mod:`.record`). With a
+networked control plane and a cross-process store instead (``--control-plane postgres
+--feature-store mooncake``), any number of producers form a pool that shares the stream
+out by position, on hosts that share nothing with the consumers (see :mod:`.networked`).
+Both kinds reach the stream through :func:`.state.open_stream`.
 
 The producer captures the eval split once, then the training samples epoch by epoch in the
 order an online run would train them (shuffled per epoch with ``train.seed``), and for each
@@ -38,34 +42,27 @@ from ..capture import (
     stream_sample_id,
     supervised_token_counts,
 )
+from ...protocols import BuildContext
 from .networked import (
     FROZEN_ID,
     MANIFEST_MARKER,
     RECORD_MARKER,
     SETUP_LEASE,
     TOKEN_COUNTS_ID,
-    LeaseKeeper,
-    describe,
-    holder_id,
     is_networked,
     lends_memory,
-    open_control,
-    open_store,
     stream_manifest,
 )
 from .record import (
-    CONTROL_DIR,
     FINISHED_MARKER,
     StreamError,
     check_same_stream,
-    hold_lock,
     read_stream_record,
-    stream_control,
     stream_record,
     stream_store,
     write_stream_record,
 )
-
+from .state import open_stream
 
 def _stay_until_trained(metadata: Any, idle_timeout_s: float) -> None:
     """Wait until the consumers finished training (their last checkpoint written).
@@ -95,13 +92,14 @@ def run_producer(plan: RunPlan, manager: Any) -> dict[str, Any]:
         raise StreamError("a producer runs as one process (it captures the whole stream; consumers split it); "
                           "start it without torchrun (with a networked control plane, start several producers "
                           "for a pool)")
-    if is_networked(plan):
-        return _produce_networked(plan)
-    lock = hold_lock(os.path.join(str(plan.features), CONTROL_DIR, "producer.lock"), "producer")
+    stream = open_stream(plan, BuildContext(run_id=plan.run_id, output_dir=plan.output, role="producer"), "producer")
     try:
-        return _produce(plan)
+        if is_networked(plan):
+            return _produce_networked(plan, stream)
+        stream.hold("producer", "producer")
+        return _produce(plan, stream)
     finally:
-        os.close(lock)
+        stream.close()
 
 
 def _producer_inputs(plan: RunPlan) -> tuple[Any, ...]:
@@ -114,8 +112,8 @@ def _producer_inputs(plan: RunPlan) -> tuple[Any, ...]:
             record)
 
 
-def _produce(plan: RunPlan) -> dict[str, Any]:
-    assert plan.features is not None
+def _produce(plan: RunPlan, stream: Any) -> dict[str, Any]:
+    """The one producer of a directory stream (see the module docstring)."""
     from tqdm import tqdm
 
     from ...features import create_feature_set, save_token_counts
@@ -140,7 +138,7 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
         save_token_counts(root, supervised_token_counts(((s.input_ids, s.loss_mask) for s in samples),
                                                         target.vocab_size))
         write_stream_record(root, record)
-        control = stream_control(plan, context)
+        control = stream.control
         channel, metadata = control.channel, control.metadata
         republished = control.resume_producer()
         known = metadata.reconcile()
@@ -168,8 +166,6 @@ def _produce(plan: RunPlan) -> dict[str, Any]:
             control.channel.fail(f"the producer failed: {type(exc).__name__}: {exc}")
         raise
     finally:
-        if control is not None:
-            control.close()
         if train_store is not None and train_store is not store:
             train_store.close()
         store.close()
@@ -187,7 +183,7 @@ def _write_summary(plan: RunPlan, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _produce_networked(plan: RunPlan) -> dict[str, Any]:
+def _produce_networked(plan: RunPlan, stream: Any) -> dict[str, Any]:
     """One member of a producer pool of a networked stream (see :mod:`.networked`)."""
     import time
 
@@ -199,24 +195,21 @@ def _produce_networked(plan: RunPlan) -> dict[str, Any]:
     context, engine, target, capture_plan, name, samples, eval_samples, report, record = _producer_inputs(plan)
     batch_size = capture_batch_size(plan)
     epochs, seed = plan.train.epochs, plan.train.seed
-    control = open_control(plan, context)
-    holder = holder_id("producer")
-    keeper = store = None
+    control, holder, keeper, where = stream.control, stream.holder, stream.keeper, stream.where
+    store = None
     streaming = False
     try:
         metadata, channel, pool = control.metadata, control.channel, control.pool
-        where = describe(control)
         check_same_stream(metadata.get_marker(RECORD_MARKER), record, where, "another control_plane.schema")
         frozen = engine.frozen_parts()
         manifest = stream_manifest(name, options_to_dict(plan["strategy"].options), capture_plan, target, frozen)
-        store = open_store(plan, context, control)
-        keeper = LeaseKeeper(control, holder)
+        store = stream.open_store()
         # One producer of the pool captures the eval split and stores the target parts; the
         # others wait for its stream record (or take over if it dies: its lease expires).
         deadline = time.monotonic() + channel.idle_timeout_s
         while metadata.get_marker(RECORD_MARKER) is None:
             try:
-                keeper.take(SETUP_LEASE)
+                stream.hold(SETUP_LEASE, "setup producer", wait_s=0)
             except LeaseHeldError:
                 if time.monotonic() > deadline:
                     raise StreamError(f"another producer has been setting up {where} for {channel.idle_timeout_s:g}s "
@@ -278,11 +271,8 @@ def _produce_networked(plan: RunPlan) -> dict[str, Any]:
             control.channel.fail(f"a producer failed: {type(exc).__name__}: {exc}")
         raise
     finally:
-        if keeper is not None:
-            keeper.stop()
         if store is not None:
             store.close()
-        control.close()
     return _write_summary(plan, {"stream": where, "published": published, "reused": 0, "train_samples": len(samples),
                                  "eval_samples": len(eval_samples), "epochs": epochs, "holder": holder,
                                  "data": report.summary()})

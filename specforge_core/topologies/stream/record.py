@@ -1,7 +1,14 @@
 """What both sides of a disaggregated stream share: its record, markers, locks, control plane and store.
 
-A stream lives in a features directory ``DIR`` that the producer and its consumers share
-(on one host: the sqlite control plane's WAL needs local locks and shared memory)::
+Both kinds of stream have one interface (``control``, ``where``, ``hold``,
+``wait_for_record``, ``consumer_features``, ``end``, ``close``): :class:`DirectoryStream`
+here, and :class:`~.networked.NetworkedStream` for hosts that share no directory;
+:func:`.state.open_stream` picks the one a plan asks for. The checks that producer and
+consumer agree (:func:`check_same_stream`, :func:`check_consumer_fits`) serve both.
+
+A directory stream lives in a features directory ``DIR`` that the producer and its
+consumers share (on one host: the sqlite control plane's WAL needs local locks and shared
+memory)::
 
     DIR/manifest.json               a features directory (see :mod:`specforge_core.features`),
     DIR/frozen_parts.safetensors    plus a ``stream`` record the consumer waits for: sample
@@ -21,7 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -131,20 +138,105 @@ def check_same_stream(previous: dict[str, Any] | None, record: dict[str, Any], w
                           f"data and train options, or {remedy}")
 
 
-def wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
-    """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
+def check_consumer_fits(plan: RunPlan, manifest: dict[str, Any], record: dict[str, Any], where: str) -> None:
+    """Refuse a consumer that would train something else than the stream ``where`` carries,
+    naming the field: another strategy, or other epochs than the producer streams."""
+    streamed = manifest.get("strategy")
+    strategy = plan["strategy"].spec.name
+    if streamed is not None and streamed != strategy:
+        raise StreamError(f"the producer streams features for strategy {streamed!r} into {where}, but this consumer "
+                          f"runs strategy {strategy!r} (field strategy); start it with --strategy {streamed}, or "
+                          f"start a new stream for {strategy}")
+    if plan.train.max_steps is None and record["epochs"] != plan.train.epochs:
+        raise StreamError(
+            f"the producer streams {record['epochs']} epoch(s) of {record['train_samples']} samples into {where}, but "
+            f"this consumer plans train.epochs={plan.train.epochs}; set train.epochs={record['epochs']} (or "
+            "train.max_steps) so that it trains what is streamed")
+
+
+def wait_for(read: Callable[[], Any], wait_s: float, waiting: str, failure: str) -> Any:
+    """``read()``'s first value that is not None, polling for up to ``wait_s`` s (saying
+    ``waiting`` once on stderr); after that, :class:`StreamError` with ``failure``, whose
+    ``{within}`` says how long was waited."""
     deadline = time.monotonic() + wait_s
     told = False
     while True:
-        record = read_stream_record(root)
-        if record is not None:
-            return record
+        value = read()
+        if value is not None:
+            return value
         if time.monotonic() >= deadline:
-            raise StreamError(f"no producer started a stream in {root} within {wait_s:g}s "
-                              "(control_plane.idle_timeout_s): start `specforge run --role producer --features "
-                              f"{root}` with the same strategy and data, or point --features at the directory it "
-                              "writes")
+            raise StreamError(failure.replace("{within}", f"within {wait_s:g}s (control_plane.idle_timeout_s)"))
         if not told:
-            print(f"waiting for a producer to stream into {root} ...", file=sys.stderr, flush=True)
+            print(f"waiting: {waiting} ...", file=sys.stderr, flush=True)
             told = True
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
+    """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
+    return wait_for(lambda: read_stream_record(root), wait_s, f"for a producer to stream into {root}",
+                    f"no producer started a stream in {root} {{within}}: start `specforge run --role producer "
+                    f"--features {root}` with the same strategy and data, or point --features at the directory it "
+                    "writes")
+
+
+class DirectoryStream:
+    """The shared state of a stream in a features directory (one host; see the module docstring).
+
+    The control plane is the sqlite one in ``DIR/control``, exclusive roles hold lock files
+    there, the stream record is in the manifest. :class:`.networked.NetworkedStream` has the
+    same interface for hosts that share no directory; :func:`.state.open_stream` picks one.
+    """
+
+    def __init__(self, plan: RunPlan, context: BuildContext) -> None:
+        assert plan.features is not None
+        self.plan, self.context = plan, context
+        self.root = str(plan.features)
+        self.where = self.root
+        self._control: Any = None
+        self._locks: list[int] = []
+
+    @property
+    def control(self) -> Any:
+        """The stream's control plane, opened on first use."""
+        if self._control is None:
+            self._control = stream_control(self.plan, self.context)
+        return self._control
+
+    def hold(self, name: str, what: str, wait_s: float | None = None) -> None:
+        """Be the one ``what`` of the stream (lock file ``control/NAME.lock``) until :meth:`close`.
+
+        ``wait_s`` is unused: a lock file is free as soon as its holder exits, however it died.
+        """
+        self._locks.append(hold_lock(os.path.join(self.root, CONTROL_DIR, f"{name}.lock"), what))
+
+    def wait_for_record(self, wait_s: float) -> dict[str, Any]:
+        return wait_for_stream(self.root, wait_s)
+
+    def consumer_features(self) -> tuple[Any, Any, Any, list[Any]]:
+        """(feature set, training store, eval store, eval refs) of a consumer.
+
+        The training stream goes through the plan's cross-process store, or the directory's
+        disk store (consume-once there: a checkpointed sample's file is deleted). Eval
+        samples always come from the directory and are never released.
+        """
+        from ...features import FeatureSet
+
+        features = FeatureSet.open(self.root)
+        store = stream_store(self.plan, self.context)
+        eval_store = features.open_store(self.context)
+        if store is None:
+            store = features.open_store(self.context, consume_once=True)
+        return features, store, eval_store, features.refs_by_split(eval_store)["eval"]
+
+    def end(self, store: Any, manifest: dict[str, Any]) -> None:
+        """Training finished: the directory keeps its eval split and target parts for reuse."""
+
+    def close(self) -> None:
+        """Close the control plane and give up the lock files."""
+        try:
+            if self._control is not None:
+                self._control.close()
+        finally:
+            while self._locks:
+                os.close(self._locks.pop())

@@ -38,6 +38,26 @@ MIB = 2**20
 #: and leases short enough that a dead holder's expire within a test.
 CLUSTER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPECFORGE_STRICT_PLUGINS": "1",
                "GLOG_minloglevel": "1", "SPECFORGE_LEASE_TTL_S": "3"}
+#: Producers stay at most 4 refs ahead of the consumers, so that a fault lands mid-run.
+PACED = ["--set", "control_plane.high_watermark=4", "--set", "control_plane.low_watermark=2"]
+
+
+def train_args(samples: int, batch: int = 2) -> list[str]:
+    """The training both sides and the colocated reference share: eagle3, ``samples`` samples,
+    a checkpoint every 2 steps, no export and no real-acceptance check."""
+    return ["--strategy", "eagle3", "--set", f"data.max_samples={samples}", "--set", f"train.batch_size={batch}",
+            "--set", "train.real_eval_prompts=0", "--set", "train.export=false", "--set", "train.save_every=2"]
+
+
+def reference_losses(model: Path, samples: int, run: Path, ranks: int = 2) -> list[tuple[int, float]]:
+    """The per-step losses of the same training online colocated on ``ranks`` ranks (what a
+    stream must reproduce), run into ``run``."""
+    command = specforge_command(["run", "--output", str(run), *train_args(samples),
+                                 "--set", f"target_engine.model={model}"], ranks=ranks)
+    done = subprocess.run(command, env={**os.environ, **CLUSTER_ENV}, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise AssertionError(f"the colocated reference run failed:\n{done.stderr[-4000:]}")
+    return losses(run)
 
 
 class LocalStreamCluster:
@@ -77,13 +97,17 @@ class LocalStreamCluster:
 
     def stop(self) -> None:
         """Kill every process launched here, then stop the servers; safe to call twice."""
-        while self.processes:
-            kill_tree(self.processes.pop())
+        self.kill_processes()
         for service in ("holder", "master", "postgres"):
             running = getattr(self, service)
             if running is not None:
                 running.stop()
                 setattr(self, service, None)
+
+    def kill_processes(self) -> None:
+        """SIGKILL every process launched here that still runs (with what it started)."""
+        while self.processes:
+            kill_tree(self.processes.pop())
 
     def __enter__(self) -> LocalStreamCluster:
         return self.start()
@@ -108,6 +132,16 @@ class LocalStreamCluster:
                 "--set", f"feature_store.local_hostname={host.address}",
                 "--set", "feature_store.global_segment_size=0",
                 "--set", f"feature_store.local_buffer_size={16 * MIB}", "--set", "feature_store.lease_wait_s=5"]
+
+    def producer_args(self, schema: str, host: Host, model: Path, samples: int) -> list[str]:
+        """``run --role producer`` of :func:`train_args` on ``host``, paced (:data:`PACED`), output ``out``."""
+        return ["run", "--role", "producer", *train_args(samples), "--set", f"target_engine.model={model}", *PACED,
+                *self.stream_args(schema, host), "--output", "out"]
+
+    def consumer_args(self, schema: str, host: Host, samples: int, output: str = "out", *extra: str) -> list[str]:
+        """``run --role consumer`` of :func:`train_args` on ``host``: no target model (it has none to read)."""
+        return ["run", "--role", "consumer", *train_args(samples), *self.stream_args(schema, host), "--output", output,
+                *extra]
 
     def launch(self, args: Sequence[str], *, host: Host, cwd: Path, ranks: int = 1, name: str = "specforge",
                env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -156,9 +190,29 @@ class LocalStreamCluster:
         finally:
             plane.close()
 
+    def marker(self, schema: str, key: str) -> Any:
+        """The stream's marker ``key`` (None when unset)."""
+        plane = self.open_plane(schema)
+        try:
+            return plane.metadata.get_marker(key)
+        finally:
+            plane.close()
+
+    def acked_ids(self, schema: str) -> list[str]:
+        """Every sample id in the stream's ack ledger."""
+        plane = self.open_plane(schema)
+        try:
+            return sorted(plane.metadata.acked_steps())
+        finally:
+            plane.close()
+
     def durable_step(self, schema: str) -> int:
         """The stream's durable global step now (0 before its tables exist)."""
         return self._count(schema, "SELECT value FROM {}.counters WHERE name = 'durable_step'")
+
+    def ended(self, schema: str) -> int:
+        """How many of the stream's ref channels were closed or failed."""
+        return self._count(schema, "SELECT count(*) FROM {}.channel_state WHERE end_kind IS NOT NULL")
 
     def claims_held(self, schema: str, pid: int) -> int:
         """Open claims of the stream held by the producer with process id ``pid`` (0 before its tables exist)."""

@@ -18,28 +18,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
 from specforge_core.testing.netns import LOOPBACK, TwoHosts, netns_unavailable
 from specforge_plugin_postgres.cluster import (
-    CLUSTER_ENV,
     LocalStreamCluster,
     losses,
     output,
     rank_pids,
-    specforge_command,
+    reference_losses,
+    train_args,
     wait_until,
 )
 
 SAMPLES, BATCH, RANKS = 24, 2, 2
 STEPS = SAMPLES // (BATCH * RANKS)
-TRAIN = ["--strategy", "eagle3", "--set", f"data.max_samples={SAMPLES}", "--set", f"train.batch_size={BATCH}",
-         "--set", "train.real_eval_prompts=0", "--set", "train.export=false", "--set", "train.save_every=2"]
-#: Producers stay at most 4 refs ahead of the consumers, so that faults land mid-run.
-PACED = ["--set", "control_plane.high_watermark=4", "--set", "control_plane.low_watermark=2"]
 FULL_LEDGER = {"committed": SAMPLES, "acked": SAMPLES, "duplicates": 0, "pending": 0, "durable_step": STEPS,
                "acked_ids": SAMPLES, "mooncake_objects": 0}
 
@@ -50,17 +45,12 @@ def ledger(cluster, schema) -> dict:
     return {key: audit[key] for key in FULL_LEDGER}
 
 
-def common(tiny) -> list[str]:
-    return [*TRAIN, "--set", f"target_engine.model={tiny}"]
-
-
 def producer_args(cluster, schema, tiny, host=LOOPBACK) -> list[str]:
-    return ["run", "--role", "producer", *common(tiny), *PACED, *cluster.stream_args(schema, host), "--output", "out"]
+    return cluster.producer_args(schema, host, tiny, SAMPLES)
 
 
 def consumer_args(cluster, schema, host=LOOPBACK, *extra) -> list[str]:
-    """A consumer's command: no target model (it has none to read), its own output directory."""
-    return ["run", "--role", "consumer", *TRAIN, *cluster.stream_args(schema, host), "--output", "out", *extra]
+    return cluster.consumer_args(schema, host, SAMPLES, "out", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +63,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny, tmp_path_factory):
     """The per-step losses of the same training online colocated, on two ranks."""
-    run = tmp_path_factory.mktemp("reference") / "online"
-    done = subprocess.run(specforge_command(["run", "--output", str(run), *common(tiny)], ranks=RANKS),
-                          env={**os.environ, **CLUSTER_ENV}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return losses(run)
+    return reference_losses(tiny, SAMPLES, tmp_path_factory.mktemp("reference") / "online", RANKS)
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +159,28 @@ def test_a_consumer_rank_killed_mid_run_resumes_from_its_checkpoint(cluster, tin
     assert cluster.wait(producer, 120) == 0, output(producer)
     assert losses(tmp_path / "consumer" / "out") == reference
     assert ledger(cluster, schema) == FULL_LEDGER
+
+
+def test_a_consumer_of_another_strategy_and_a_producer_of_other_data_are_refused_naming_the_field(cluster, tiny,
+                                                                                                 tmp_path):
+    schema = "bad_inputs"
+    producer = cluster.launch(producer_args(cluster, schema, tiny), host=LOOPBACK, cwd=tmp_path / "producer",
+                              name="producer")
+    # with nobody consuming, the producer stops at the high watermark: the stream holds still
+    wait_until(lambda: cluster.audit(schema)["committed"] >= 4, 300, "the producer's first samples")
+    time.sleep(1.0)
+    record, committed = cluster.marker(schema, "stream.record"), cluster.audit(schema)["committed"]
+    other_strategy = cluster.launch(["run", "--role", "consumer", *train_args(SAMPLES)[2:], "--strategy", "dflash",
+                                     *cluster.stream_args(schema, LOOPBACK), "--output", "out"], host=LOOPBACK,
+                                    cwd=tmp_path / "dflash", name="consumer")
+    other_data = cluster.launch([*producer_args(cluster, schema, tiny), "--set", "data.max_samples=8"],
+                                host=LOOPBACK, cwd=tmp_path / "other-data", name="producer")
+    assert cluster.wait(other_strategy, 300) == 1
+    assert ("the producer streams features for strategy 'eagle3' into stream 'bad_inputs'" in output(other_strategy)
+            and "but this consumer runs strategy 'dflash' (field strategy)" in output(other_strategy))
+    assert cluster.wait(other_data, 300) == 1
+    assert "train_samples differ" in output(other_data) and "another control_plane.schema" in output(other_data)
+    # nothing of the stream changed: its record, its samples, and it was neither closed nor failed
+    assert cluster.marker(schema, "stream.record") == record
+    assert cluster.audit(schema)["committed"] == committed and cluster.ended(schema) == 0
+    assert producer.poll() is None

@@ -4,7 +4,6 @@ surviving a server restart, schemas of other streams, leases and a producer pool
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import psycopg
