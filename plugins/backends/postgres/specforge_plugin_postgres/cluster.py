@@ -38,15 +38,23 @@ MIB = 2**20
 #: and leases short enough that a dead holder's expire within a test.
 CLUSTER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPECFORGE_STRICT_PLUGINS": "1",
                "GLOG_minloglevel": "1", "SPECFORGE_LEASE_TTL_S": "3"}
+#: A put interrupted by the death of its process leaves an object Mooncake can neither
+#: complete nor delete until the master frees it, after put_start_release_timeout_sec (10
+#: minutes by default): the test master frees them after 12 s (longer than any stall a test
+#: makes), and :meth:`LocalStreamCluster.audit` waits for that before it counts what is left.
+INTERRUPTED_PUTS = ("--put_start_discard_timeout_sec=10", "--put_start_release_timeout_sec=12")
+RELEASE_WAIT_S = 30.0
 #: Producers stay at most 4 refs ahead of the consumers, so that a fault lands mid-run.
 PACED = ["--set", "control_plane.high_watermark=4", "--set", "control_plane.low_watermark=2"]
 
 
 def train_args(samples: int, batch: int = 2) -> list[str]:
     """The training both sides and the colocated reference share: eagle3, ``samples`` samples,
-    a checkpoint every 2 steps, no export and no real-acceptance check."""
+    a checkpoint every 2 steps, no export and no real-acceptance check; captures of ``batch``
+    samples, so that producers claim small pieces of the stream all through a run."""
     return ["--strategy", "eagle3", "--set", f"data.max_samples={samples}", "--set", f"train.batch_size={batch}",
-            "--set", "train.real_eval_prompts=0", "--set", "train.export=false", "--set", "train.save_every=2"]
+            "--set", "train.real_eval_prompts=0", "--set", "train.export=false", "--set", "train.save_every=2",
+            "--set", f"target_engine.capture_batch_size={batch}"]
 
 
 def reference_losses(model: Path, samples: int, run: Path, ranks: int = 2) -> list[tuple[int, float]]:
@@ -88,7 +96,7 @@ class LocalStreamCluster:
             self.postgres = LocalPostgres(host=self.host.address, port=port, command_prefix=self.host.prefix,
                                           allow_from=[self.clients] if self.clients else ()).start()
             self.master = LocalMaster(lease_ttl_ms=self.lease_ttl_ms, host=self.host.address,
-                                      command_prefix=self.host.prefix).start()
+                                      command_prefix=self.host.prefix, extra_flags=INTERRUPTED_PUTS).start()
             self.holder = LocalSegmentHolder(self.master, self.segment_bytes).start()
         except BaseException:
             self.stop()
@@ -179,16 +187,19 @@ class LocalStreamCluster:
     def audit(self, schema: str) -> dict[str, Any]:
         """The stream's ledger (committed, acked, duplicates, pending, durable step, distinct acked
         ids, how many of them a producer captured again after a claim expired) and the objects
-        left in Mooncake."""
+        left in Mooncake once the master freed interrupted puts (waiting up to RELEASE_WAIT_S)."""
         plane = self.open_plane(schema)
         try:
             stats = plane.metadata.stats()
             acked = plane.metadata.acked_steps()
-            return {**stats, "durable_step": plane.metadata.durable_step(), "acked_ids": len(acked),
-                    "recaptured": sum("#" in sample_id for sample_id in acked),
-                    "mooncake_objects": self.master.key_count()}
+            durable_step = plane.metadata.durable_step()
         finally:
             plane.close()
+        deadline = time.monotonic() + RELEASE_WAIT_S  # interrupted puts of killed processes: see INTERRUPTED_PUTS
+        while self.master.key_count() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        return {**stats, "durable_step": durable_step, "acked_ids": len(acked),
+                "recaptured": sum("#" in sample_id for sample_id in acked), "mooncake_objects": self.master.key_count()}
 
     def marker(self, schema: str, key: str) -> Any:
         """The stream's marker ``key`` (None when unset)."""
@@ -209,6 +220,10 @@ class LocalStreamCluster:
     def durable_step(self, schema: str) -> int:
         """The stream's durable global step now (0 before its tables exist)."""
         return self._count(schema, "SELECT value FROM {}.counters WHERE name = 'durable_step'")
+
+    def committed(self, schema: str) -> int:
+        """How many samples the stream committed so far."""
+        return self._count(schema, "SELECT count(*) FROM {}.samples")
 
     def ended(self, schema: str) -> int:
         """How many of the stream's ref channels were closed or failed."""

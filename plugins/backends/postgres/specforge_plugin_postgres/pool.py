@@ -86,14 +86,17 @@ class PoolTables:
         free = "holder IS NOT NULL AND expires_at < now()" if expired_only else \
             "holder IS NULL OR expires_at < now()"
 
-        def work(conn: Any) -> list[tuple[int, int]]:
+        def work(conn: Any) -> list[list[int]]:
             rows = conn.execute(
                 "UPDATE claims SET holder = %s, expires_at = now() + make_interval(secs => %s), attempt = attempt + 1 "
                 f"WHERE position IN (SELECT position FROM claims WHERE NOT done AND ({free}) ORDER BY position "
                 "LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING position, attempt", (holder, ttl_s, count)).fetchall()
-            return sorted((int(position), int(attempt)) for position, attempt in rows)
+            return sorted([int(position), int(attempt)] for position, attempt in rows)
 
-        return self.db.run(work)
+        # With an op id: a claim whose answer was lost (a server restart) returns the positions it
+        # took when run again, rather than taking more; the lost ones would be renewed, never worked.
+        claimed = self.db.run(work, op_id=f"claim-{uuid.uuid4().hex}")
+        return [(position, attempt) for position, attempt in claimed]
 
     def open_claims(self) -> int:
         """Positions not yet published (claimed or not)."""
