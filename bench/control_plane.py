@@ -126,19 +126,23 @@ def stream_commit_ack(plane, pool: list, batch: int, seconds: float) -> tuple[in
     total = len(pool) - len(pool) % batch
     producer.pool.open_positions(total)
     stop = threading.Event()
+    failures: list[BaseException] = []
 
     def produce() -> None:
-        while not stop.is_set():
-            positions = producer.pool.claim("bench", batch, 60.0)
-            if not positions:
-                return
-            producer.pool.complete("bench", positions, [pool[p] for p in positions])
+        try:
+            while not stop.is_set():
+                positions = [position for position, _attempt in producer.pool.claim("bench", batch, 60.0)]
+                if not positions:
+                    return
+                producer.pool.complete("bench", positions, [pool[p] for p in positions])
+        except BaseException as exc:  # noqa: BLE001 - raised again in the measuring thread, not lost
+            failures.append(exc)
 
     thread = threading.Thread(target=produce, daemon=True)
     done, acks, start = 0, 0, time.perf_counter()
     thread.start()
     try:
-        while done < total and time.perf_counter() - start < seconds:
+        while done < total and time.perf_counter() - start < seconds and not failures:
             refs = consumer.channel.poll(batch, timeout=5)
             acks += 1
             consumer.metadata.ack(ids(refs), acks)
@@ -150,6 +154,8 @@ def stream_commit_ack(plane, pool: list, batch: int, seconds: float) -> tuple[in
         thread.join()
         producer.close()
         consumer.close()
+    if failures:  # a producer that died would otherwise read as a rate of 0
+        raise failures[0]
     return done, acks, elapsed
 
 
