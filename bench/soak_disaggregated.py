@@ -47,9 +47,11 @@ def emit(**record) -> None:
     print(json.dumps({**record, "load_average_1m": round(os.getloadavg()[0], 2)}), flush=True)
 
 
-def last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][-300:] if lines else ""
+def error_line(text: str) -> str:
+    """The last line of ``text`` that names an error (torchrun ends its report with a banner), else its last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "error:" in line]
+    return (named or lines or [""])[-1][-300:]
 
 
 class Soak:
@@ -90,7 +92,7 @@ class Soak:
                 except subprocess.TimeoutExpired:
                     raise TimeoutError(f"{process.name} still running") from None
                 if code != 0 and code != -signal.SIGKILL and failure is None:
-                    failure = f"{process.name} exited {code}: {last_line(output(process))}"
+                    failure = f"{process.name} exited {code}: {error_line(output(process))}"
         except TimeoutError as exc:
             self.cluster.kill_processes()
             return {"trial": index, "fault": fault, "after_step": after_step, "landed": landed, "hung": True,

@@ -31,7 +31,9 @@ class PostgresControlPlaneOptions:
                                            "within this many seconds (libpq counts whole seconds, at least 2).",
                                       check=positive)
     reconnect_timeout_s: float = option(60.0, "How long a lost connection (server restart, network cut) is "
-                                              "retried before the run fails.", check=positive)
+                                              "retried before the run fails; also how long a first connection "
+                                              "waits for a server that is starting up or recovering.",
+                                        check=positive)
     high_watermark: int = option(1024, "Producers pause when this many published refs are not yet consumed.",
                                  check=positive)
     low_watermark: int = option(256, "Paused producers resume when the backlog falls to this.", check=non_negative)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from specforge_core.errors import ControlPlaneError
 
-from .errors import PostgresUnavailableError
+from .errors import PostgresNotReadyError, PostgresUnavailableError
 
 
 def describe_dsn(conninfo: str) -> tuple[str, dict[str, str]]:
@@ -42,6 +42,13 @@ def describe_dsn(conninfo: str) -> tuple[str, dict[str, str]]:
     return f"{user + '@' if user else ''}{where}/{fields.get('dbname', user or '')}", fields
 
 
+#: What the server answers while it cannot take connections yet (SQLSTATE 57P03, which libpq
+#: does not always pass on for a failed connection attempt).
+_NOT_READY = ("the database system is starting up", "the database system is shutting down",
+              "the database system is in recovery mode", "the database system is not yet accepting connections",
+              "the database system is not accepting connections")
+
+
 def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUnavailableError:
     """The message for a failed connection attempt: what happened and what to check."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -58,6 +65,9 @@ def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUna
                 "(listen_addresses) and port?")
     elif "pg_hba" in low:
         hint = "the server's pg_hba.conf does not admit this host, user or database: add a line for it"
+    elif getattr(exc, "sqlstate", None) == "57P03" or any(state in low for state in _NOT_READY):
+        return PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server is starting up, "
+                                     "shutting down or recovering: try again once it accepts connections")
     else:
         hint = "check control_plane.dsn and that the server is up"
     return PostgresUnavailableError(f"cannot connect to PostgreSQL at {address}: {text}; {hint}")
@@ -113,7 +123,17 @@ class Database:
         self.closed_message = closed_message
         self.reconnects = 0
         self._lock = threading.RLock()
-        self._conn: Any = _connect(conninfo, self.address, connect_timeout_s, schema)
+        # A server that answers it is starting up or recovering (a restart under way) is waited
+        # for, like a lost connection; one that is not there at all is an error at once.
+        deadline = time.monotonic() + reconnect_timeout_s
+        while True:
+            try:
+                self._conn: Any = _connect(conninfo, self.address, connect_timeout_s, schema)
+                break
+            except PostgresNotReadyError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
         self._closed = False
 
     def use_schema(self, schema: str) -> None:

@@ -175,8 +175,14 @@ class LocalPostgres:
         self._checked("pg_ctl stop", os.path.join(self._bindir, "pg_ctl"), "-D", self.data_dir, "-w",
                       "-m", "immediate", "stop")
 
+    def stop_when_sessions_end(self) -> None:
+        """Begin a smart shutdown and return: until its open sessions end the server turns new
+        connections away ("the database system is shutting down"), then it stops."""
+        self._checked("pg_ctl stop", os.path.join(self._bindir, "pg_ctl"), "-D", self.data_dir, "-W",
+                      "-m", "smart", "stop")
+
     def start_again(self) -> None:
-        """Start a server stopped by :meth:`kill` on the same port and data."""
+        """Start a server stopped by :meth:`kill` (or :meth:`stop_when_sessions_end`) on the same port and data."""
         self._pg_ctl_start()
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@ surviving a server restart, schemas of other streams, leases and a producer pool
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from specforge_core.errors import ClaimLostError, ControlPlaneError, LeaseHeldError
 from specforge_core.testing.control_plane_suite import Background, ids, sample_refs
-from specforge_plugin_postgres.errors import PostgresUnavailableError, StreamMismatchError
+from specforge_plugin_postgres.errors import PostgresNotReadyError, PostgresUnavailableError, StreamMismatchError
 from specforge_plugin_postgres.server import free_port
 from specforge_plugin_postgres.testing import open_plane
 
@@ -171,6 +172,28 @@ def test_a_server_gone_longer_than_the_reconnect_timeout_is_a_clear_error(fresh_
         assert time.monotonic() - start < 10
         fresh_postgres.start_again()
         assert plane.metadata.stats()["committed"] == 2  # the failed commit left nothing
+    finally:
+        plane.close()
+
+
+def test_a_server_not_taking_connections_yet_is_waited_for_up_to_the_reconnect_timeout(fresh_postgres, schema):
+    session = psycopg.connect(fresh_postgres.dsn, autocommit=True)
+    try:
+        fresh_postgres.stop_when_sessions_end()  # new connections now hear "the database system is shutting down"
+        start = time.monotonic()
+        with pytest.raises(PostgresNotReadyError, match=r"cannot connect to PostgreSQL at .*shutting down.*try "
+                                                        r"again once it accepts connections"):
+            open_plane(fresh_postgres, schema, reconnect_timeout_s=2)
+        assert 2 <= time.monotonic() - start < 10  # it kept trying (a restart under way), then said why it stopped
+    finally:
+        session.close()
+    wait_for_stop = time.monotonic() + 30  # the last session ended: the server stops, then starts again
+    while os.path.exists(os.path.join(fresh_postgres.data_dir, "postmaster.pid")) and time.monotonic() < wait_for_stop:
+        time.sleep(0.2)
+    fresh_postgres.start_again()
+    plane = open_plane(fresh_postgres, schema)
+    try:
+        assert plane.metadata.stats()["committed"] == 0
     finally:
         plane.close()
 
