@@ -40,7 +40,9 @@ READ_BATCH = 1024
 # absolute value written again by the next report, and a restarted consumer restates it).
 # So they skip the WAL flush (set_config(..., true) holds for this transaction only), which
 # would otherwise double the consumer's durable writes per optimizer step: its ack is the
-# one that must be on disk. Each is one statement, one round trip.
+# one that must be on disk. Each is one statement, one round trip. A consumer whose
+# connection was cut (a crash among the causes) restates its count at its next read, since
+# a paused producer and a consumer waiting for it would otherwise wait for each other.
 _ADVISORY = """
 WITH write AS ({write})
 SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(notify)s, %(channel)s)
@@ -99,6 +101,7 @@ class PostgresChannel(RestartableChannel):
         db.run(lambda conn: conn.execute("INSERT INTO channel_state (channel) VALUES (%s) ON CONFLICT DO NOTHING",
                                          (name,)))
         self._consumed_base = self._load_consumed() if role != "producer" else 0
+        self._stored_on_connection = db.reconnects  # the connection the last consumed count went through
         if role != "consumer":
             self._sync_producer()
 
@@ -175,6 +178,8 @@ class PostgresChannel(RestartableChannel):
     def _pull(self) -> bool:
         if self._stream_end is not None:
             return False
+        if self.db.reconnects != self._stored_on_connection:  # see _CONSUMED: the last count may be lost
+            self._store_consumed()
         params = {"channel": self.name, "next": self._next, "world_size": self.world_size, "rank": self.rank,
                   "limit": READ_BATCH}
         found = self.db.run(lambda conn: conn.execute(_PULL, params).fetchall(), single_statement=True)
@@ -209,6 +214,7 @@ class PostgresChannel(RestartableChannel):
         params = {"channel": self.name, "rank": self.rank, "consumed": self._consumed_base + self._reported,
                   "notify": self.notify_name}
         self.db.run(lambda conn: conn.execute(_CONSUMED, params), single_statement=True)
+        self._stored_on_connection = self.db.reconnects
 
     def consumed(self) -> int:
         """Refs reported consumed by every rank."""

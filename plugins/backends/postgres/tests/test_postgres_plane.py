@@ -198,6 +198,25 @@ def test_a_server_not_taking_connections_yet_is_waited_for_up_to_the_reconnect_t
         plane.close()
 
 
+def test_a_consumer_restates_its_consumed_count_once_reconnected(fresh_postgres, schema):
+    producer = open_plane(fresh_postgres, schema, role="producer", high_watermark=4, low_watermark=2)
+    consumer = open_plane(fresh_postgres, schema, role="consumer", idle_timeout_s=60, poll_interval_s=0.2)
+    try:
+        producer.channel.publish(sample_refs(4))
+        consumer.channel.report_consumed(len(consumer.channel.poll(4, timeout=5)))
+        assert producer.channel.consumed() == 4
+        # Consumed counts are written without a WAL flush: a crash right after a report loses it,
+        # and a producer paused at the high watermark would wait for a consumer that waits for it.
+        with psycopg.connect(fresh_postgres.dsn, autocommit=True) as conn:
+            conn.execute(f'UPDATE "{schema}".channel_consumed SET consumed = 0')
+        fresh_postgres.restart()
+        assert consumer.channel.poll(1, timeout=1.0) == []  # it reconnects, and restates what it consumed
+        assert producer.channel.consumed() == 4
+    finally:
+        producer.close()
+        consumer.close()
+
+
 # ---- leases and claims --------------------------------------------------------------------------
 def test_a_live_lease_is_refused_and_an_expired_one_taken_over(postgres, schema):
     plane = open_plane(postgres, schema)
