@@ -486,7 +486,8 @@ def consumer_with_another_strategy(w):
     features, consumer = w.stream
     return Bad(argv=["run", "--role", "consumer", "--features", str(features), "--output", str(w.tmp / "out"),
                      *example_args(w.tiny), "--strategy", "linear"], code=1,
-               says=(f"the producer streams into {features} with strategy='example'", "--strategy example"))
+               says=(f"the producer streams features for strategy 'example' into {features}, but this consumer runs "
+                     "strategy 'linear' (field strategy)", "--strategy example"))
 
 
 @case
