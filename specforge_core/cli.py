@@ -358,7 +358,7 @@ def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
         _fail(exc)
     if applied is None:
         click.echo(f"note: the train defaults the producer's target engine suggests are known once it streams into "
-                   f"{plan.features}; the plan below has none applied", err=True)
+                   f"{plan.features or 'the stream'}; the plan below has none applied", err=True)
     click.echo(json.dumps({**shown.to_dict(), "train_options_suggested_by_engine": applied}, indent=2, default=str))
 
 

@@ -47,7 +47,7 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
     }
 
 
-def train_suggestions(plan: RunPlan) -> dict[str, Any] | None:
+def train_suggestions(plan: RunPlan, record: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The ``train`` defaults a run takes from its target engine; None while they cannot be known yet.
 
     The one resolution ``--dry-run`` and the run share: an online run (and a producer, which
@@ -58,16 +58,18 @@ def train_suggestions(plan: RunPlan) -> dict[str, Any] | None:
     if plan.role == "consumer":
         from .topologies.stream.record import read_stream_record
 
-        record = read_stream_record(str(plan.features))
+        if record is None and plan.features is not None:  # a networked stream's record is read by its source
+            record = read_stream_record(str(plan.features))
         return None if record is None else dict(record.get("suggested_train_options", {}))
     if plan.features and plan.role is None:
         return {}
     return engine_train_suggestions(plan)  # a producer records these in its stream
 
 
-def plan_as_run(plan: RunPlan) -> tuple[RunPlan, dict[str, Any] | None]:
-    """(the plan with the engine's suggestions applied where the user set nothing, what was applied)."""
-    suggested = train_suggestions(plan)
+def plan_as_run(plan: RunPlan, record: dict[str, Any] | None = None) -> tuple[RunPlan, dict[str, Any] | None]:
+    """(the plan with the engine's suggestions applied where the user set nothing, what was applied);
+    a consumer's come from its stream ``record`` when given."""
+    suggested = train_suggestions(plan, record)
     if suggested is None:
         return plan, None
     return with_suggested_train_options(plan, suggested)
@@ -125,7 +127,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
                                   window=window)
         if info.is_main and getattr(source, "data_report", None):
             print(source.data_report, flush=True)
-        plan, applied = plan_as_run(plan)
+        plan, applied = plan_as_run(plan, getattr(source, "record", None))
         train = plan.train
         torch.manual_seed(train.seed)
         model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
