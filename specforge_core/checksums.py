@@ -10,10 +10,12 @@ Two kinds, named in what a store records so that a reader knows which one to rec
 - ``crc32`` (zlib), what stores wrote before: about 2-3 GB/s per core, kept so those files
   stay readable and checkable.
 
-A large tensor is split into ``CRC_BLOCK`` blocks whose checksums are computed in threads
-(both implementations release the GIL). :func:`checksum` joins them with the crc
-``combine`` operation into the plain checksum of the bytes, which any tool can recompute;
-:func:`block_crcs` returns them as they are.
+For a software crc, a large tensor is split into ``CRC_BLOCK`` blocks whose checksums are
+computed in threads (both implementations release the GIL), and :func:`checksum` joins them
+with the crc ``combine`` operation into the plain checksum of the bytes, which any tool can
+recompute; :func:`block_crcs` returns them as they are. crc32c on CRC instructions runs in
+the calling thread: it outruns the memory it reads, and handing blocks to other threads
+cost more than it saved on a loaded machine (``bench/feature_stores.py``).
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ _pool_lock = threading.Lock()
 @attrs.frozen
 class ChecksumKind:
     """One crc over bytes: its recorded ``name``, its bit-reflected ``polynomial`` (for
-    combining block checksums) and the function ``(buffer) -> int`` computing it."""
+    combining block checksums), the function ``(buffer) -> int`` computing it, and whether
+    :func:`checksum` splits large tensors over threads (``threaded``: a software crc)."""
 
     name: str
     polynomial: int
     function: Callable[..., int] = attrs.field(repr=False)
+    threaded: bool = True
 
 
 CRC32 = ChecksumKind("crc32", 0xEDB88320, zlib.crc32)
-CRC32C = ChecksumKind("crc32c", 0x82F63B78, crc32c.crc32c)
+CRC32C = ChecksumKind("crc32c", 0x82F63B78, crc32c.crc32c, threaded=not crc32c.hardware_based)
 #: recorded name -> kind, for every checksum a store may have written
 CHECKSUM_KINDS = {kind.name: kind for kind in (CRC32, CRC32C)}
 #: what new writes record
@@ -68,7 +72,9 @@ def block_crcs(tensor: torch.Tensor, kind: ChecksumKind = CRC32) -> list[int]:
 
 
 def checksum(tensor: torch.Tensor, kind: ChecksumKind = DEFAULT_CHECKSUM) -> int:
-    """The plain checksum of ``tensor``'s bytes, its blocks computed in parallel."""
+    """The plain checksum of ``tensor``'s bytes (its blocks computed in parallel if ``kind.threaded``)."""
+    if not kind.threaded:
+        return kind.function(tensor.reshape(-1).view(_uint8()).numpy())
     nbytes = tensor.numel() * tensor.element_size()
     crc = 0
     for index, block_crc in enumerate(block_crcs(tensor, kind)):
