@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, linear, rope_cos_sin
 
 from .blocks import GroupedBlockAttention
 from .config import DFlashConfig
@@ -69,10 +69,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.head_dim = d
-        self.q_proj = nn.Linear(hidden, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * d, hidden, bias=False)
+        self.q_proj = Linear(hidden, config.num_heads * d, bias=False)
+        self.k_proj = Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(config.num_heads * d, hidden, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)  # per head
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
@@ -136,7 +136,7 @@ class DFlashBackbone(nn.Module):
         self.config = config
         self.attention = attention
         hidden = config.hidden_size
-        self.fc = nn.Linear(config.num_context_features * hidden, hidden, bias=False)
+        self.fc = Linear(config.num_context_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
@@ -186,5 +186,5 @@ class DFlashBackbone(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Frozen target lm_head: ``[..., H]`` -> ``[..., V]``, in float32 (float64 for a float64 head)."""
-        logits = F.linear(hidden.to(self.lm_head.dtype), self.lm_head)
+        logits = linear(hidden.to(self.lm_head.dtype), self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()

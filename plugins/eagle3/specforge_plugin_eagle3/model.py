@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 
 @attrs.frozen(kw_only=True)
@@ -154,10 +154,10 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
                 mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
@@ -217,10 +217,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
         self.register_buffer("target_lm_head", None if target_lm_head is None else target_lm_head.detach(),
                              persistent=False)
-        self.fc = nn.Linear(3 * big_h, config.hidden_size, bias=False)
+        self.fc = Linear(3 * big_h, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(v, dtype=torch.bool) if config.draft_vocab_size == v
                              else torch.zeros(v, dtype=torch.bool))
