@@ -42,7 +42,14 @@ from typing import Any
 STRATEGIES = ("eagle3", "dflash", "domino", "dspark")
 
 #: What each path executes, per strategy: {path: {"cpu": ..., "cuda": ...}}.
+_HALF = ("; bfloat16 linears as float32 GEMMs of upcast operands (this CPU has no bf16 GEMM instructions: "
+         "specforge_core.nn.linear)")
 KERNELS = {
+    "linears": {"ours": {"cpu": "float32: MKL sgemm" + _HALF, "cuda": "cuBLAS, native bf16 tensor cores"},
+                "reference": {"cpu": "torch's own kernels in the step's dtype (bf16 GEMM without bf16 instructions)",
+                              "cuda": "cuBLAS, native bf16"},
+                "heads": "Domino's GRU/correction and DSpark's Markov/confidence heads are the model's modules in "
+                         "both paths"},
     "eagle3": {
         "ours_attention": {"cpu": "step-0 scores by matmul plus an additive causal/padding bias built once per "
                                   "batch, diagonal keys as row-wise dot products",
@@ -144,6 +151,19 @@ def _dflash_family(name: str) -> tuple[type, type, dict]:
 # -- the textbook references ---------------------------------------------------------------------------------------
 
 
+def _linear(module, x):
+    """A linear layer as torch runs it (the reference does not take the draft's CPU half-precision route)."""
+    import torch.nn.functional as F
+
+    return F.linear(x, module.weight, module.bias)
+
+
+def _mlp(mlp, x):
+    import torch.nn.functional as F
+
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+
+
 def eagle3_reference_loss(strategy, model, batch):
     """ALGORITHMS.md § EAGLE3 written out: per step a dense causal mask filled into the S x S scores, the
     diagonal keys of earlier steps, a full log_softmax loss and full-distribution metrics."""
@@ -165,16 +185,16 @@ def eagle3_reference_loss(strategy, model, batch):
     causal = torch.ones(s, s, dtype=torch.bool).tril()[None] & attention_mask.bool()[:, None, :]  # [B, S, S]
     layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
     groups = c.num_attention_heads // c.num_key_value_heads
-    hidden = model.fc(batch["aux_hidden"].to(model.fc.weight.dtype))
+    hidden = _linear(model.fc, batch["aux_hidden"].to(model.fc.weight.dtype))
     k0 = v0 = None
     diag: list[tuple[Any, Any]] = []
     loss, correct = 0.0, []
     for k in range(strategy.options.ttt_length):
         cos, sin = rope_cos_sin(torch.arange(s) + k, c.head_dim, c.rope_theta)
         x = torch.cat([layer.input_layernorm(model.embed(ids)), layer.hidden_norm(hidden)], -1)
-        q = apply_rope(attn.q_proj(x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
-        key = apply_rope(attn.k_proj(x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
-        value = attn.v_proj(x).view(b, s, -1, c.head_dim).transpose(1, 2)
+        q = apply_rope(_linear(attn.q_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
+        key = apply_rope(_linear(attn.k_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
+        value = _linear(attn.v_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2)
         if k == 0:
             k0, v0 = key, value
         else:
@@ -186,9 +206,9 @@ def eagle3_reference_loss(strategy, model, batch):
         out = probs[..., :s] @ repeat_kv(v0, groups)
         for j, (_, dv) in enumerate(diag):
             out = out + probs[..., s + j, None] * repeat_kv(dv, groups)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logits = model.logits(hidden).float()
+        hidden = hidden + _linear(attn.o_proj, out.transpose(1, 2).reshape(b, s, -1))
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        logits = _linear(model.lm_head, model.norm(hidden)).float()
         log_probs = F.log_softmax(logits, -1)  # [B, S, Vd], materialised
         loss = loss + 0.8 ** k * -(p_t * log_probs * position_mask[..., None]).sum() / (b * s)
         with torch.no_grad():  # the step's accuracy, over the full distributions
@@ -209,7 +229,7 @@ def _dense_backbone(model, batch, blocks):
     b, n, bs = blocks.ids.shape
     seq = batch["input_ids"].shape[1]
     mask = block_attention_mask(blocks.anchors, batch["lengths"], seq, bs)[:, None]  # [B, 1, Q, S+Q]
-    ctx = model.hidden_norm(model.fc(batch["target_hidden"].to(model.dtype)))
+    ctx = model.hidden_norm(_linear(model.fc, batch["target_hidden"].to(model.dtype)))
     x = model.embed(blocks.ids.flatten(1))
     positions = blocks.positions.flatten(1)
     c = model.config
@@ -219,14 +239,15 @@ def _dense_backbone(model, batch, blocks):
     for layer in model.layers:
         attn, h = layer.self_attn, layer.input_layernorm(x)
         kv = torch.cat([ctx, h], 1)
-        q = apply_rope(attn.q_norm(attn.q_proj(h).view(b, h.shape[1], -1, c.head_dim)), *rope_q).transpose(1, 2)
-        k = apply_rope(attn.k_norm(attn.k_proj(kv).view(b, kv.shape[1], -1, c.head_dim)), *rope_k).transpose(1, 2)
-        v = attn.v_proj(kv).view(b, kv.shape[1], -1, c.head_dim).transpose(1, 2)
+        q = apply_rope(attn.q_norm(_linear(attn.q_proj, h).view(b, h.shape[1], -1, c.head_dim)), *rope_q)
+        k = apply_rope(attn.k_norm(_linear(attn.k_proj, kv).view(b, kv.shape[1], -1, c.head_dim)), *rope_k)
+        v = _linear(attn.v_proj, kv).view(b, kv.shape[1], -1, c.head_dim).transpose(1, 2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         groups = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                              attn_mask=mask)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, h.shape[1], -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + _linear(attn.o_proj, out.transpose(1, 2).reshape(b, h.shape[1], -1))
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
     return model.norm(x).view(b, n, bs, -1)
 
 
@@ -242,7 +263,7 @@ def dflash_family_reference_loss(name: str, strategy, model, batch, step: int):
     blocks = strategy.draw_blocks(model, batch, ctx, label_shift=shift)
     hidden = _dense_backbone(model, batch, blocks)  # [B, N, bs, H]
     w, labels = blocks.weights, blocks.labels
-    base = model.logits(hidden)  # [B, N, bs, V], all at once
+    base = F.linear(hidden.to(model.lm_head.dtype), model.lm_head).float()  # [B, N, bs, V], all at once
 
     def ce(logits):
         return F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
@@ -363,7 +384,7 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
             "ratio": statistics.median(ratios), "ratio_p25": quartiles[0], "ratio_p75": quartiles[2],
             "ratio_min": ratios[0], "ratio_max": ratios[-1],
             "peak_mb_ours": peaks["ours"], "peak_mb_reference": peaks["reference"],
-            "kernels": KERNELS[family], "load_before": load_before, "load_after": os.getloadavg()[0]}
+            "kernels": {**KERNELS[family], "linears": KERNELS["linears"]}, "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def main() -> None:
