@@ -62,12 +62,13 @@ KERNELS = {
         "reference_loss": {"cpu": "full log_softmax per step, materialised", "cuda": "the same"},
     },
     "dflash_family": {
-        "ours_attention": {"cpu": "SDPA (flash attention for CPU) per group of 4 blocks over the context up to "
-                                  "the group's last anchor plus the group's blocks",
+        "ours_attention": {"cpu": "SDPA (flash attention for CPU, native GQA: no repeated K/V) per group of 4 "
+                                  "blocks over the context up to the group's last anchor plus the group's blocks",
                            "cuda": "SDPA memory-efficient kernel per group (boolean mask)"},
         "ours_loss": {"cpu": "cross-entropy over chunks of 16 blocks, each checkpointed (logits recomputed in "
-                             "backward)", "cuda": "the same"},
-        "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask",
+                             "backward) unless all blocks fit one chunk", "cuda": "the same"},
+        "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask, K/V "
+                                       "heads repeated for GQA",
                                 "cuda": "SDPA memory-efficient kernel with the dense mask"},
         "reference_loss": {"cpu": "cross-entropy over all blocks' logits at once", "cuda": "the same"},
     },

@@ -36,10 +36,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Masked attention. q ``[B, h, Q, d]``, k/v ``[B, kv, K, d]``, mask ``[B, 1, Q, K]`` (True = attend).
 
     Every query row must see at least one key (the block mask always lets a block see itself).
-    K/V heads are repeated for GQA up front: SDPA's ``enable_gqa`` would push CUDA off the
-    memory-efficient kernel (the only fused one taking an arbitrary mask) onto the math one.
+    On CUDA, K/V heads are repeated for GQA up front: SDPA's ``enable_gqa`` would push it off
+    the memory-efficient kernel (the only fused one taking an arbitrary mask) onto the math
+    one. CPU's flash kernel takes GQA as it is, so there no repeated copies are made (or kept
+    for backward).
     """
     groups = q.shape[1] // k.shape[1]
+    if kernel == "sdpa" and q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     if kernel == "sdpa":
