@@ -7,7 +7,19 @@
 * ``channel_publish`` / ``channel_poll`` — refs/s of the file channel (one fsync per
   published batch) and of the in-process queue;
 * ``file_poll_vs_size`` — latency of polling 64 new refs when ``refs.jsonl`` already holds
-  1k / 10k / 100k records, and ``file_poll_flatness``: largest / smallest (1.0 = flat).
+  1k / 10k / 100k records, and ``file_poll_flatness``: largest / smallest (1.0 = flat);
+* ``postgres_commit_ack`` — the same commit + ack loop through the ``postgres`` plugin over
+  loopback TCP (a server this bench starts, fsync on, or ``--postgres-dsn``), with the
+  ratio to its 10k refs/s goal, to the sqlite run of the same batch and to its physical
+  limit: the server's rate of durable one-row INSERT + COMMIT round trips
+  (``durable_commits_per_s``, probed before and after), of which a commit + ack pair
+  takes two, so ``bound_refs_per_s`` = that rate x batch / 2;
+* ``postgres_stream_commit_ack`` — a run's traffic at batch 64: a producer completing
+  claims (commit + publish in one transaction) while a consumer polls, acks and reports,
+  on separate connections, so the server shares WAL flushes between them (group commit);
+* ``channel_publish`` / ``channel_poll`` for postgres — refs/s at batch 64, and
+  ``postgres_poll_wakeup`` — the wake-up latency of a waiting consumer (another connection)
+  from ``publish`` returning to its ``poll`` returning: LISTEN/NOTIFY, no sleep loop.
 
     python bench/control_plane.py [--dir DIR] [--seconds 2] [--sizes 1000,10000,100000]
 
@@ -21,6 +33,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 from specforge_core.control_planes.channel import FileChannel, QueueChannel
@@ -28,11 +41,13 @@ from specforge_core.control_planes.sqlite import SqliteMetadataStore
 from specforge_core.testing.control_plane_suite import ids, sample_refs
 
 TARGET_REFS_PER_S = 20_000
+POSTGRES_TARGET_REFS_PER_S = 10_000
 POLL_BATCH = 64
 
 
 def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
+    # The machine's load at the time: timings on a shared machine are only comparable with it.
+    print(json.dumps({**record, "load_average_1m": round(os.getloadavg()[0], 2)}), flush=True)
 
 
 def raw_sync_rate(directory: str, seconds: float) -> float:
@@ -52,21 +67,26 @@ def raw_sync_rate(directory: str, seconds: float) -> float:
     return count / (time.perf_counter() - start)
 
 
-def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> None:
+def commit_ack_loop(store, pool: list, batch: int, seconds: float) -> tuple[int, int, float]:
+    """Commit then ack ``batch`` refs at a time for ``seconds``: (refs, steps, elapsed)."""
+    done, step, start = 0, 0, time.perf_counter()
+    while done + batch <= len(pool) and time.perf_counter() - start < seconds:
+        fresh = store.commit(pool[done:done + batch])
+        step += 1
+        store.ack(ids(fresh), step)
+        done += batch
+    elapsed = time.perf_counter() - start
+    assert store.stats()["acked"] == done
+    return done, step, elapsed
+
+
+def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> float:
     # A shared disk's sync rate drifts a lot, so the limit is probed right before and after.
     probe_s = min(seconds, 1.0) / 2
     before = raw_sync_rate(directory, probe_s)
     store = SqliteMetadataStore(os.path.join(directory, f"bench-{batch}.sqlite"))
-    done, step, start = 0, 0, time.perf_counter()
     try:
-        while done + batch <= len(pool) and time.perf_counter() - start < seconds:
-            refs = pool[done:done + batch]
-            fresh = store.commit(refs)
-            step += 1
-            store.ack(ids(fresh), step)
-            done += batch
-        elapsed = time.perf_counter() - start
-        assert store.stats()["acked"] == done
+        done, step, elapsed = commit_ack_loop(store, pool, batch, seconds)
     finally:
         store.close()
     sync_rate = (before + raw_sync_rate(directory, probe_s)) / 2
@@ -76,6 +96,162 @@ def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> None
          target_refs_per_s=TARGET_REFS_PER_S, ratio_to_target=round(rate / TARGET_REFS_PER_S, 3),
          transactions_per_s=round(transactions_per_s), raw_syncs_per_s=round(sync_rate),
          ratio_to_raw_sync=round(transactions_per_s / sync_rate, 3), dir=directory)
+    return rate
+
+
+def durable_commit_rate(dsn: str, seconds: float) -> float:
+    """One-row INSERT + COMMIT round trips per second on the server (fsync on): the physical
+    limit of durable transactions there, a round trip plus one WAL flush each."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        table = f"flush_probe_{os.getpid()}"  # a logged table: a temporary one writes no WAL
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (n int)")
+        conn.execute("SET synchronous_commit TO on")
+        try:
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                conn.execute(f"INSERT INTO {table} VALUES (1)")
+                count += 1
+            return count / (time.perf_counter() - start)
+        finally:
+            conn.execute(f"DROP TABLE {table}")
+
+
+def stream_commit_ack(plane, pool: list, batch: int, seconds: float) -> tuple[int, int, float]:
+    """A run's control-plane traffic at ``batch``: a producer completes claims (commit + publish,
+    one transaction) while a consumer polls, acks (durable) and reports consumption, each on
+    its own connection as in a run. Returns (refs acked, acks, elapsed)."""
+    producer, consumer = plane("producer"), plane("consumer")
+    total = len(pool) - len(pool) % batch
+    producer.pool.open_positions(total)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            while not stop.is_set():
+                positions = [position for position, _attempt in producer.pool.claim("bench", batch, 60.0)]
+                if not positions:
+                    return
+                producer.pool.complete("bench", positions, [pool[p] for p in positions])
+        except BaseException as exc:  # noqa: BLE001 - raised again in the measuring thread, not lost
+            failures.append(exc)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    done, acks, start = 0, 0, time.perf_counter()
+    thread.start()
+    try:
+        while done < total and time.perf_counter() - start < seconds and not failures:
+            refs = consumer.channel.poll(batch, timeout=5)
+            acks += 1
+            consumer.metadata.ack(ids(refs), acks)
+            consumer.channel.report_consumed(len(refs))
+            done += len(refs)
+        elapsed = time.perf_counter() - start
+    finally:
+        stop.set()
+        thread.join()
+        producer.close()
+        consumer.close()
+    if failures:  # a producer that died would otherwise read as a rate of 0
+        raise failures[0]
+    return done, acks, elapsed
+
+
+def bench_postgres(directory: str, dsn: str | None, pool: list, sqlite_rates: dict[int, float],
+                   seconds: float) -> None:
+    """The postgres plugin over loopback TCP: commit + ack, a run's traffic, publish / poll, wake-up latency."""
+    try:
+        from specforge_core.protocols import BuildContext
+        from specforge_plugin_postgres import PostgresControlPlaneOptions
+        from specforge_plugin_postgres.plane import PostgresControlPlane
+        from specforge_plugin_postgres.server import LocalPostgres
+    except ImportError as exc:
+        emit(bench="postgres_commit_ack", skipped=f"specforge-plugin-postgres is not installed ({exc})")
+        return
+    server = None if dsn else LocalPostgres().start()
+    dsn = dsn or server.dsn
+    where = "bench-started, 127.0.0.1" if server else "given by --postgres-dsn"
+    try:
+        def plane(schema: str, role: str = "colocated", **options):
+            return PostgresControlPlane(PostgresControlPlaneOptions(dsn=dsn, schema=schema, **options),
+                                        BuildContext(role=role))
+
+        def limit(measure):
+            """``measure()`` with the server's durable commit rate probed right before and after
+            (a shared disk's flush rate drifts a lot)."""
+            probe_s = min(seconds, 1.0) / 2
+            before = durable_commit_rate(dsn, probe_s)
+            result = measure()
+            return result, (before + durable_commit_rate(dsn, probe_s)) / 2
+
+        for batch in (1, 64):
+            def serial(batch=batch):
+                handle = plane(f"bench_commit_{batch}_{os.getpid()}")
+                try:
+                    return commit_ack_loop(handle.metadata, pool, batch, seconds)
+                finally:
+                    handle.close()
+
+            (done, step, elapsed), commit_rate = limit(serial)
+            rate, transactions_per_s = done / elapsed, 2 * step / elapsed
+            # Two durable transactions per batch, one after the other: at best batch/2 refs per flush.
+            bound = commit_rate * batch / 2
+            emit(bench="postgres_commit_ack", batch=batch, refs=done, seconds=round(elapsed, 3),
+                 refs_per_s=round(rate), target_refs_per_s=POSTGRES_TARGET_REFS_PER_S,
+                 ratio_to_target=round(rate / POSTGRES_TARGET_REFS_PER_S, 3),
+                 ratio_to_sqlite=round(rate / sqlite_rates[batch], 3), transactions_per_s=round(transactions_per_s),
+                 durable_commits_per_s=round(commit_rate), bound_refs_per_s=round(bound),
+                 ratio_to_bound=round(rate / bound, 3), server=where)
+        batch = POLL_BATCH
+        schema = f"bench_stream_{os.getpid()}"
+        (done, acks, elapsed), commit_rate = limit(lambda: stream_commit_ack(
+            lambda role: plane(schema, role, high_watermark=4 * batch, low_watermark=batch, idle_timeout_s=60),
+            pool, batch, seconds))
+        rate = done / elapsed
+        emit(bench="postgres_stream_commit_ack", batch=batch, refs=done, seconds=round(elapsed, 3),
+             refs_per_s=round(rate), target_refs_per_s=POSTGRES_TARGET_REFS_PER_S,
+             ratio_to_target=round(rate / POSTGRES_TARGET_REFS_PER_S, 3), durable_commits_per_s=round(commit_rate),
+             serial_bound_refs_per_s=round(commit_rate * batch / 2),
+             ratio_to_serial_bound=round(rate / (commit_rate * batch / 2), 3), server=where,
+             note="producer completes claims while a consumer polls, acks and reports, on separate connections: "
+                  "their WAL flushes are shared (group commit)")
+        schema = f"bench_channel_{os.getpid()}"
+        producer = plane(schema, "producer", high_watermark=10**9, low_watermark=0)
+        consumer = plane(schema, "consumer", idle_timeout_s=60)
+        try:
+            bench_channel("postgres", _PairedChannel(producer.channel, consumer.channel), pool, POLL_BATCH, seconds)
+            latencies = []
+            for index in range(30):
+                refs = pool[index:index + 1]
+                box: dict = {}
+                waiter = threading.Thread(target=lambda: box.update(got=consumer.channel.poll(1)))
+                waiter.start()
+                time.sleep(0.05)  # the consumer is asleep in its wait when the ref is published
+                producer.channel.publish(refs)
+                published = time.perf_counter()
+                waiter.join()
+                latencies.append(time.perf_counter() - published)
+                assert box["got"] == refs
+            emit(bench="postgres_poll_wakeup", waits=len(latencies),
+                 median_ms=round(statistics.median(latencies) * 1e3, 2),
+                 max_ms=round(max(latencies) * 1e3, 2),
+                 poll_interval_s=consumer.channel.poll_interval_s,
+                 note="a waiting consumer woken by NOTIFY; without it the wait would last poll_interval_s")
+        finally:
+            producer.close()
+            consumer.close()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+class _PairedChannel:
+    """A producer handle's publish and a consumer handle's poll, as one channel for :func:`bench_channel`."""
+
+    def __init__(self, producer, consumer) -> None:
+        self.publish, self.poll = producer.publish, consumer.poll
 
 
 def bench_channel(name: str, channel, pool: list, batch: int, seconds: float) -> None:
@@ -127,13 +303,17 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=40_000, help="distinct refs generated up front")
     parser.add_argument("--sizes", default="1000,10000,100000", help="channel file sizes, in records")
     parser.add_argument("--repeats", type=int, default=30, help="polls timed per file size")
+    parser.add_argument("--postgres-dsn", default=None, help="PostgreSQL to measure (default: start one on "
+                                                             "127.0.0.1 in a temporary directory)")
+    parser.add_argument("--no-postgres", action="store_true", help="skip the postgres measurements")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
 
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="sf-bench-control-") as directory:
         pool = sample_refs(args.pool, run_id="bench")
-        for batch in (1, 64):
-            bench_sqlite(directory, pool, batch, args.seconds)
+        sqlite_rates = {batch: bench_sqlite(directory, pool, batch, args.seconds) for batch in (1, 64)}
+        if not args.no_postgres:
+            bench_postgres(directory, args.postgres_dsn, pool, sqlite_rates, args.seconds)
         bench_channel("file", FileChannel(os.path.join(directory, "channel"), role="both"), pool, 64, args.seconds)
         bench_channel("queue", QueueChannel(), pool, 64, args.seconds)
         bench_poll_vs_size(directory, pool, sizes, args.repeats)

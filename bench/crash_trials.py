@@ -95,9 +95,9 @@ class Campaign:
         self.root = root
         self.pace = pace
         self.site = FakeSite(root / "site")
-        self.site.add("specforge-plugin-example", "0.1.0", entry_points={"example": "specforge_plugin_example"},
-                      modules={"specforge_plugin_example.__init__": (EXAMPLE / "__init__.py").read_text(),
-                               "specforge_plugin_example.strategy": (EXAMPLE / "strategy.py").read_text()})
+        self.site.add("specforge-plugin-example", "0.2.0", entry_points={"example": "specforge_plugin_example"},
+                      modules={f"specforge_plugin_example.{path.stem}": path.read_text()
+                               for path in EXAMPLE.glob("*.py")})
         self.site.add("specforge-plugin-traced", "0.1.0", entry_points={"traced": "sf_crash_traced"},
                       modules={"sf_crash_traced.__init__": TRACED_HOOKS,
                                "sf_crash_traced.strategy": TRACED_STRATEGY})

@@ -25,4 +25,21 @@ if [ -e plugins/backends/mooncake/pyproject.toml ] && ! ldconfig -p | grep -q 'l
         echo "warning: libibverbs1 is missing; install it (apt-get install libibverbs1) for the Mooncake plugin" >&2
     fi
 fi
+# The postgres plugin's tests start real PostgreSQL servers: install Debian's when missing.
+if [ -e plugins/backends/postgres/pyproject.toml ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+        && ! command -v initdb >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq postgresql
+    else
+        echo "warning: PostgreSQL server binaries are missing; install them (apt-get install postgresql) for the postgres plugin's tests" >&2
+    fi
+fi
+# The across-hosts tests make two network namespaces with iproute2's `ip netns` (as root).
+if [ -e plugins/backends/postgres/pyproject.toml ] && ! command -v ip >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq iproute2
+    else
+        echo "warning: iproute2 (ip) is missing; the across-hosts tests will be skipped" >&2
+    fi
+fi
 echo "installed into $VENV: ${args[*]}"

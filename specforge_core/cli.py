@@ -239,7 +239,9 @@ def _data_values(target_model: str | None, data: str | None, eval_data: str | No
                    "the directory a producer streams into.")
 @click.option("--role", type=click.Choice(["producer", "consumer"]), default=None,
               help="Disaggregated run: `producer` captures target features into --features DIR while a "
-                   "`consumer` (another process sharing DIR) trains from them, each sample exactly once.")
+                   "`consumer` (another process sharing DIR) trains from them, each sample exactly once. "
+                   "Across hosts, no directory: --control-plane postgres --feature-store mooncake, any "
+                   "number of producers.")
 @click.option("--resume", default=None, metavar="latest|best|PATH",
               help="Continue from a checkpoint of this run (weights, optimizer, schedule, RNG, data position).")
 @click.option("--overwrite", is_flag=True,
@@ -269,6 +271,14 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     \b
         specforge run --role producer --strategy eagle3 --features DIR --output prod/
         specforge run --role consumer --strategy eagle3 --features DIR --output out/
+
+    Across hosts that share no directory: a pool of producers and a torchrun consumer
+    group meet in PostgreSQL and Mooncake (see "Across hosts" in the README):
+
+    \b
+        specforge run --role producer --strategy eagle3 --control-plane postgres \\
+            --set control_plane.dsn=postgresql://USER:PASSWORD@HOST/DB --feature-store mooncake \\
+            --set feature_store.master_address=HOST:50051 --output prod/
     """
     from .config import check_data_files, resolve_plan
     from .preflight import check_plan
@@ -302,7 +312,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
             _fail(exc)
         click.echo(result["data"])
         click.echo(f"done: published {result['published']} samples ({result['reused']} already committed before "
-                   f"this start); stream closed in {result['features']}")
+                   f"this start); stream closed in {result.get('features') or result['stream']}")
         return
     from .runtime import execute
 

@@ -237,8 +237,7 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
     role = raw.get("role") or None
     defaults = dict(DEFAULTS, feature_store=default_feature_store or ("disk" if features else "memory"))
     if role is not None:
-        _check_role(raw, role, features)
-        defaults["control_plane"] = "sqlite"
+        defaults["control_plane"] = _check_role(raw, role, features, manager)
     components: dict[str, ResolvedComponent] = {}
     for kind in COMPONENT_SECTIONS:
         body = _section(raw, kind)
@@ -250,7 +249,7 @@ def resolve_plan(manager: PluginManager, raw: Mapping[str, Any], *, default_feat
         components[kind] = ResolvedComponent(spec=spec, options=spec.build_options(body))
     check_capabilities(components["strategy"].spec, components["target_engine"].spec)
     if role is not None:
-        _check_role_store(role, components["feature_store"].spec)
+        _check_role_store(role, components["feature_store"].spec, components["control_plane"].spec)
     train = build_options(TrainOptions, _section(raw, "train"), section="train")
     data = build_options(DataOptions, _section(raw, "data"), section="data")
     build_options(RegenerateOptions, _section(raw, "regenerate"), section="regenerate")  # a typo fails here too
@@ -279,25 +278,43 @@ def check_data_files(plan: RunPlan) -> None:
                               f"(--set data.{key}=FILE)")
 
 
-def _check_role(raw: Mapping[str, Any], role: Any, features: Any) -> None:
-    """A disaggregated role needs the shared features directory and the durable parts."""
+def _check_role(raw: Mapping[str, Any], role: Any, features: Any, manager: PluginManager) -> str:
+    """A disaggregated role needs a stream both sides reach; returns the control plane to use.
+
+    Either a shared features directory (``--features DIR``, sqlite control plane) or a
+    networked control plane (capability ``networked``, e.g. postgres), which keeps the
+    stream's state itself so that the two sides share no directory.
+    """
     if role not in ROLES:
         raise OptionError(f"unknown role {role!r}; choose producer (captures features) or consumer (trains)")
+    chosen = _section(raw, "control_plane").get("name")
+    if chosen is not None and "networked" in manager.get("control_plane", str(chosen)).capabilities:
+        if features:
+            raise OptionError(f"--role {role} with control_plane={chosen!r} keeps the stream in the control plane "
+                              "and the feature store, on no shared directory; drop --features")
+        return str(chosen)
     if not features:
         raise OptionError(f"--role {role} needs --features DIR: the directory the producer and the consumer share "
-                          "(features, target parts and the control plane's database and ref channel)")
-    chosen = _section(raw, "control_plane").get("name")
+                          "(features, target parts and the control plane's database and ref channel), or a "
+                          "networked control plane (--control-plane postgres) and feature store (--feature-store "
+                          "mooncake) for hosts that share no directory")
     if chosen is not None and chosen != "sqlite":
         raise OptionError(f"--role {role} exchanges refs through the shared directory's sqlite control plane; "
-                          f"control_plane={chosen!r} cannot be shared between the processes (leave it unset)")
+                          f"control_plane={chosen!r} cannot be shared between the processes (leave it unset, or "
+                          "use a networked control plane such as postgres)")
+    return "sqlite"
 
 
-def _check_role_store(role: str, spec: ComponentSpec) -> None:
+def _check_role_store(role: str, spec: ComponentSpec, control_plane: ComponentSpec) -> None:
     """The training stream's feature store must be one that separate processes share."""
     if "cross_process" not in spec.capabilities:
         raise OptionError(f"--role {role} needs a feature store that separate processes share (capability "
                           f"cross_process); feature_store={spec.name!r} keeps tensors inside one process. Use disk "
                           "(the default: the features directory's store) or a network store such as mooncake")
+    if "networked" in control_plane.capabilities and spec.name == "disk":
+        raise OptionError(f"--role {role} with control_plane={control_plane.name!r} shares no directory between the "
+                          "hosts, so the disk feature store cannot carry the samples; use a network store such as "
+                          "--feature-store mooncake")
 
 
 def with_suggested_train_options(plan: RunPlan, suggested: Mapping[str, Any]) -> tuple[RunPlan, dict[str, Any]]:

@@ -78,3 +78,11 @@ class UnknownFeatureError(FeatureStoreError, KeyError):
 
 class TargetEngineError(SpecforgeError):
     """A target engine could not load its model, or a request to it is malformed."""
+
+
+class LeaseHeldError(ControlPlaneError):
+    """A lease (a stream's producer setup, a consumer rank) is held by another live process."""
+
+
+class ClaimLostError(ControlPlaneError):
+    """A producer's claim expired and another producer took it before it was completed."""

@@ -183,6 +183,19 @@ class FeatureSet:
                                   f"needs {list(plan.layer_ids)}; capture again with the same options")
 
 
+def _unshared(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """``tensors`` on the CPU, contiguous, none sharing memory with another (safetensors refuses shared
+    storage: a target with tied embeddings gives one tensor as both ``embed_tokens`` and ``lm_head``)."""
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return out
+
+
 def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_options: Mapping[str, Any],
                        plan: CapturePlan, target: TargetInfo, frozen_parts: Mapping[str, Any],
                        context: BuildContext) -> tuple[Path, Any]:
@@ -213,7 +226,7 @@ def create_feature_set(path: str | os.PathLike[str], *, strategy: str, strategy_
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
     if not (path / FROZEN).exists():
-        parts = {k: v.detach().cpu().contiguous() for k, v in frozen_parts.items()}
+        parts = _unshared(frozen_parts)
         atomic_write(path / FROZEN, lambda tmp: save_file(parts, tmp))
     from .feature_stores.disk import DiskFeatureStore
 

@@ -180,6 +180,7 @@ FIRST_PARTY = {
     ("target_engine", "hf"): "specforge-plugin-hf",
     ("target_engine", "sglang"): "specforge-plugin-sglang",
     ("feature_store", "mooncake"): "specforge-plugin-mooncake",
+    ("control_plane", "postgres"): "specforge-plugin-postgres",
 }
 
 

@@ -77,9 +77,15 @@ def site(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from specforge_plugin_hf import HFEngineOptions
+    from specforge_plugin_hf.engine import HFTargetEngine
     from specforge_plugin_hf.toy import build_toy_target
 
-    return shared(build_toy_target(tmp_path_factory.mktemp("toy") / "tiny", "tiny", progress=False))
+    folder = build_toy_target(tmp_path_factory.mktemp("toy") / "tiny", "tiny", progress=False)
+    # The toy keeps its eval split with its own greedy replies beside the bundled one, made on
+    # first use: made here, so that the cases see a complete toy folder and leave it as it is.
+    HFTargetEngine(HFEngineOptions(model=str(folder))).default_eval_data()
+    return shared(folder)
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +378,8 @@ def missing_data_file(w):
 @case
 def data_file_without_a_usable_row(w):
     data = write(w.tmp / "bad.jsonl", 'not json\n{"messages": [{"role": "user", "content": "hi"}]}\n')
-    return Bad(argv=["run", *example_args(w.tiny), "--set", f"data.path={data}", "--output", str(w.tmp / "out")],
+    return Bad(argv=["run", *example_args(w.tiny), "--set", f"data.path={data}", "--set", "data.eval_holdout=0",
+                     "--output", str(w.tmp / "out")],
                code=1, kept=(data,), says=(f"{data} gave no usable training sample", f"{data}:1", f"{data}:2"))
 
 
@@ -383,7 +390,7 @@ def malformed_rows_are_skipped_and_reported(w):  # defect 4: run used to drop th
         good[0].encode(), b"{not json", good[1].encode(), b"\xff\xfe not utf-8", good[2].encode(),
         b'{"messages": [{"role": "user", "content": "no answer"}]}', *(line.encode() for line in good[3:])]) + b"\n")
     return Bad(argv=["run", *example_args(w.tiny), "--set", f"data.path={data}", "--set", "train.max_steps=2",
-                     "--output", str(w.tmp / "out")], code=0, kept=(data,),
+                     "--set", "data.eval_holdout=0", "--output", str(w.tmp / "out")], code=0, kept=(data,),
                says=(f"train data {data}: 9 rows read: 6 kept, 3 skipped", f"{data}:2", f"{data}:4", f"{data}:6",
                      "skipped rows are not trained: fix or remove them, or set data.strict=true"))
 
@@ -479,7 +486,8 @@ def consumer_with_another_strategy(w):
     features, consumer = w.stream
     return Bad(argv=["run", "--role", "consumer", "--features", str(features), "--output", str(w.tmp / "out"),
                      *example_args(w.tiny), "--strategy", "linear"], code=1,
-               says=(f"the producer streams into {features} with strategy='example'", "--strategy example"))
+               says=(f"the producer streams features for strategy 'example' into {features}, but this consumer runs "
+                     "strategy 'linear' (field strategy)", "--strategy example"))
 
 
 @case

@@ -567,3 +567,21 @@ def test_disk_refuses_a_manifest_it_does_not_understand(tmp_path, manifest, mess
     with pytest.raises(FeatureStoreError, match=message):
         disk_store(tmp_path / "store")
     assert (tmp_path / "store" / "STORE.json").read_text() == manifest
+
+
+def test_a_feature_set_keeps_the_frozen_parts_of_a_target_with_tied_embeddings(tmp_path):
+    """A target that ties lm_head to embed_tokens hands one tensor under both names; the feature set
+    stores both (safetensors refuses shared memory) and reads them back equal, the caller's untouched."""
+    from specforge_core.features import FeatureSet, create_feature_set
+    from specforge_core.protocols import CapturePlan, TargetInfo
+
+    embed = torch.arange(12, dtype=torch.float32).view(4, 3)
+    parts = {"embed_tokens": embed, "lm_head": embed, "norm": torch.ones(3)}
+    target = TargetInfo(num_layers=2, hidden_size=3, vocab_size=4, dtype="float32", model_id="tied")
+    root, store = create_feature_set(tmp_path / "feats", strategy="s", strategy_options={}, plan=CapturePlan(),
+                                     target=target, frozen_parts=parts, context=BuildContext())
+    store.close()
+    loaded = FeatureSet.open(root).frozen_parts()
+    assert sorted(loaded) == ["embed_tokens", "lm_head", "norm"]
+    assert torch.equal(loaded["embed_tokens"], embed) and torch.equal(loaded["lm_head"], embed)
+    assert parts["lm_head"] is embed and parts["embed_tokens"] is embed

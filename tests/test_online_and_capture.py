@@ -73,7 +73,7 @@ def test_offline_run_from_captured_features(site, features, tmp_path):
                      "--set", "train.max_steps=4", "--set", "train.batch_size=4")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["topology"] == "offline"
-    assert "eval/acc" in summary["final_eval"]
+    assert "eval/acc_0" in summary["final_eval"]  # the example strategy: one accuracy per head
     assert "done: 4 steps" in proc.stdout
 
 
@@ -94,7 +94,7 @@ def test_online_colocated_run_captures_while_training(site, tiny, tmp_path):
     assert summary["config"]["train"]["lr"] == 0.01
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert "eval/acc" in summary["final_eval"]
+    assert "eval/acc_0" in summary["final_eval"]  # the example strategy: one accuracy per head
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -53,9 +53,18 @@ def test_warmup_ratio_is_a_share_of_the_planned_steps_and_warmup_steps_wins():
     assert warmup_steps(TrainOptions(warmup_ratio=0.04, warmup_steps=5), 1000) == 5
 
 
-def test_dry_run_shows_the_recipe_defaults():
+def test_dry_run_shows_the_recipe_defaults_under_the_engines_suggestions(tmp_path):
+    # a target that is not the toy: the strategy's published recipe
+    plan = json.loads(run_cli("run", "--strategy", "dflash", "--target-model", str(tmp_path), "--dry-run",
+                              check=True).stdout)
+    assert (plan["train"]["lr"], plan["train"]["warmup_ratio"], plan["train"]["warmup_steps"]) == (6e-4, 0.04, 0)
+    assert plan["train_options_suggested_by_engine"] == {}
+    # the toy target: the hf engine's toy suggestion wins over the recipe; the user wins over both
     plan = json.loads(run_cli("run", "--strategy", "dflash", "--dry-run", check=True).stdout)
-    assert (plan["train"]["lr"], plan["train"]["warmup_ratio"]) == (6e-4, 0.04)
+    assert (plan["train"]["lr"], plan["train"]["warmup_steps"]) == (1e-3, 50)
+    assert plan["train_options_suggested_by_engine"] == {"lr": 1e-3, "warmup_steps": 50}
+    plan = json.loads(run_cli("run", "--strategy", "dflash", "--set", "train.lr=2e-4", "--dry-run", check=True).stdout)
+    assert (plan["train"]["lr"], plan["train"]["warmup_steps"]) == (2e-4, 50)
 
 
 # --------------------------------------------------------------------------- eval split

@@ -69,7 +69,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from ..contracts import SampleRef
 from ..errors import (
@@ -87,12 +87,14 @@ DEFAULT_IDLE_TIMEOUT_S = 600.0
 DEFAULT_POLL_INTERVAL_S = 0.05
 
 
-class _RefChannelBase:
-    """The poll loop, backpressure and end-of-stream rules shared by both channels.
+class RefChannelBase:
+    """The poll loop, backpressure and end-of-stream rules shared by every channel.
 
     Subclasses say how refs travel: ``_pull`` moves newly arrived records into
     ``_ready`` / ``_stream_end`` and reports whether anything arrived, ``_append_*`` write,
-    ``consumed`` / ``_store_consumed`` keep the consumption counter.
+    ``consumed`` / ``_store_consumed`` keep the consumption counter, and ``_wait`` sleeps
+    until something may have changed (a plugin's channel over a database waits for its
+    notifications there). Channel plugins subclass it.
     """
 
     #: Longest single sleep of a waiting poll; the queue is woken by notify, the file is not.
@@ -146,6 +148,10 @@ class _RefChannelBase:
     def _sync_producer(self) -> None:
         """Learn about a fail() by another process (FileChannel); nothing to do in-process."""
 
+    def _wait(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` s or until woken (called holding ``_cond``, which it must release)."""
+        self._cond.wait(timeout)
+
     def _store_consumed(self) -> None:
         raise NotImplementedError
 
@@ -197,7 +203,7 @@ class _RefChannelBase:
                     return []
                 sleep = min(self._max_sleep_s, self.idle_timeout_s - waited,
                             math.inf if deadline is None else deadline - now)
-                self._cond.wait(sleep)
+                self._wait(sleep)
 
     def report_consumed(self, n: int) -> None:
         """Count ``n`` more refs as finished by this consumer (releases a paused producer)."""
@@ -264,7 +270,7 @@ class _RefChannelBase:
             if timeout is not None and now - start >= timeout:
                 return False
             remaining = math.inf if timeout is None else timeout - (now - start)
-            self._cond.wait(min(self.poll_interval_s, remaining, self.idle_timeout_s - (now - progress_at)))
+            self._wait(min(self.poll_interval_s, remaining, self.idle_timeout_s - (now - progress_at)))
 
     def heartbeat(self) -> None:
         """Reset the consumers' idle clock without publishing a ref."""
@@ -291,7 +297,7 @@ class _RefChannelBase:
             self._cond.notify_all()
 
 
-class QueueChannel(_RefChannelBase):
+class QueueChannel(RefChannelBase):
     """Thread-safe in-process ref channel (online colocated: producer thread -> trainer).
 
     One object is shared by both threads; see the module docstring for the API.
@@ -422,7 +428,33 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-class FileChannel(_RefChannelBase):
+class RestartableChannel(RefChannelBase):
+    """A channel whose consumers can restart: they skip acked ids and restate their consumed count.
+
+    Subclasses keep ``_consumed_base`` (this rank's count from before the restart) in
+    ``_store_consumed`` and drop ids in ``_skip`` when they pull refs.
+    """
+
+    def __init__(self, **channel_options: Any) -> None:
+        super().__init__(**channel_options)
+        self._skip: set[str] = set()
+        self._consumed_base = 0
+
+    def reset_consumed(self, count: int) -> None:
+        """Set this rank's consumed count to ``count`` (a restarted consumer whose earlier
+        reports included samples it must train again)."""
+        with self._cond:
+            self._consumed_base, self._reported, self._delivered = count, 0, 0
+            self._store_consumed()
+            self._cond.notify_all()
+
+    def skip(self, sample_ids: Iterable[str]) -> None:
+        """Never hand out refs with these sample ids (already acked before a restart)."""
+        with self._cond:
+            self._skip.update(sample_ids)
+
+
+class FileChannel(RestartableChannel):
     """A ref channel in a shared directory: ``refs.jsonl`` plus one consumed file per rank.
 
     Each line of ``refs.jsonl`` is one record: ``{"kind":"ref","ref":{...}}``,
@@ -467,7 +499,7 @@ class FileChannel(_RefChannelBase):
         self.rank, self.world_size = rank, world_size
         self.fsync = fsync
         self._max_sleep_s = poll_interval_s
-        self._skip = set(skip_ids)
+        self._skip.update(skip_ids)
         self._read_chunk_bytes = read_chunk_bytes
         self._tail = _JsonlTail(self.refs_path, read_chunk_bytes)  # the consumer's view
         self._ref_index = 0  # index of the next ref record in the file, over all shards
@@ -571,19 +603,6 @@ class FileChannel(_RefChannelBase):
         return [sid for index, sid in enumerate(self._ref_ids()) if index % self.world_size == self.rank]
 
     # ---- consumer ----------------------------------------------------------------------
-    def reset_consumed(self, count: int) -> None:
-        """Set this rank's consumed count to ``count`` (a restarted consumer whose earlier
-        reports included samples it must train again)."""
-        with self._cond:
-            self._consumed_base, self._reported, self._delivered = count, 0, 0
-            self._store_consumed()
-            self._cond.notify_all()
-
-    def skip(self, sample_ids: Iterable[str]) -> None:
-        """Never hand out refs with these sample ids (already acked before a restart)."""
-        with self._cond:
-            self._skip.update(sample_ids)
-
     @property
     def bytes_read(self) -> int:
         """Bytes of ``refs.jsonl`` this consumer has read so far."""

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 from ..contracts import SampleRef
 from ..errors import ControlPlaneError
 from .channel import FileChannel
+from .durable import ResumableControlPlane
 from .metadata import (
     Reconciliation,
     encode_marker,
@@ -238,7 +239,7 @@ class SqliteMetadataStore:
                 self._db = None
 
 
-class SqliteControlPlane:
+class SqliteControlPlane(ResumableControlPlane):
     """Durable control plane for disaggregated and restartable runs.
 
     ``SqliteControlPlane(options, context)`` opens ``metadata.sqlite`` and ``refs.jsonl`` in
@@ -276,34 +277,6 @@ class SqliteControlPlane:
         except Exception:
             self.metadata.close()
             raise
-
-    def resume_consumer(self) -> Reconciliation:
-        """Prepare a (re)started consumer: acked samples will not be handed out again.
-
-        The channel is re-read from its start; refs the metadata store lists as acked are
-        skipped, the pending ones come again in this rank's shard. The returned
-        reconciliation's ``acked`` refs are the ones to release from the feature store.
-        """
-        reconciliation = self.metadata.reconcile()
-        acked = {ref.sample_id for ref in reconciliation.acked}
-        self.channel.skip(acked)
-        # What this rank reported consumed before may include samples now pending again:
-        # the producer's backpressure counts only what stays acked.
-        self.channel.reset_consumed(sum(sid in acked for sid in self.channel.shard_sample_ids()))
-        return reconciliation
-
-    def resume_producer(self) -> int:
-        """Publish the pending refs a crashed producer committed but never published.
-
-        Returns how many were published. Refs already in the channel are not published
-        again, so consumers never get a sample twice.
-        """
-        pending = self.metadata.reconcile().pending
-        published = self.channel.published_sample_ids()
-        missing = [ref for ref in pending if ref.sample_id not in published]
-        if missing:  # a stream that was closed already has nothing missing
-            self.channel.publish(missing)
-        return len(missing)
 
     def close(self) -> None:
         """Release the database and channel handles. Does not end the stream: call

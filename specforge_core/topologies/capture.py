@@ -160,19 +160,26 @@ def stored_token_rows(store: Any, refs: list[Any], limit: int) -> list[tuple[lis
     return rows
 
 
-def stream_sample_id(sample: Any, epoch: int) -> str:
-    """The id of one sample's training event: one sample seen in two epochs is two events."""
-    return f"{sample.sample_id}@e{epoch}"
+def stream_sample_id(sample: Any, epoch: int, attempt: int = 1) -> str:
+    """The id of one sample's training event: one sample seen in two epochs is two events.
+
+    A producer pool captures a position again when the first claim on it expired
+    (``attempt`` 2, 3, ...); that capture gets an id of its own, so its object can never
+    replace the one a slow first capture may still have stored (a store re-put of one id
+    supersedes the older object).
+    """
+    event = f"{sample.sample_id}@e{epoch}"
+    return event if attempt == 1 else f"{event}#{attempt}"
 
 
 def put_captured(store: Any, samples: list[Any], captured: list[dict[str, Any]], *, epoch: int,
-                 strategy: str) -> list[Any]:
+                 strategy: str, attempt: int = 1) -> list[Any]:
     """Put one captured batch of training samples of ``epoch``; their refs, in order."""
     refs = []
     for sample, features in zip(samples, captured):
         meta = {"split": "train", "source": sample.source, "num_tokens": len(sample.input_ids), "epoch": epoch,
                 "strategy": strategy}
-        refs.append(store.put(stream_sample_id(sample, epoch), features, meta))
+        refs.append(store.put(stream_sample_id(sample, epoch, attempt), features, meta))
     return refs
 
 

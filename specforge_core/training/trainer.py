@@ -13,7 +13,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -184,14 +184,22 @@ class Trainer:
         final = state.global_step >= self.total_steps
         evaluate = self.evaluator is not None and (final or (train.eval_every and state.global_step % train.eval_every == 0))
         is_best = False
+        scheduled = final or bool(train.save_every and state.global_step % train.save_every == 0)
         if evaluate:
             is_best = self._evaluate()
-        elif self.evaluator is None:
-            is_best = _is_better(record.get(self.best_metric, float("nan")), state.best_value, self.best_mode)
-            if is_best:
-                state.best_value, state.best_step = record[self.best_metric], state.global_step
-        if final or (train.save_every and state.global_step % train.save_every == 0) or (evaluate and is_best):
+        elif self.evaluator is None and scheduled:
+            is_best = self._training_best(record)
+        if scheduled or (evaluate and is_best):
             self.save(is_best=is_best)
+
+    def _training_best(self, record: Mapping[str, Any]) -> bool:
+        """Without an eval split, whether the checkpoint about to be saved is the best by the training
+        metric so far (only saved steps compete: the best names a checkpoint)."""
+        state = self.state
+        is_best = _is_better(record.get(self.best_metric, float("nan")), state.best_value, self.best_mode)
+        if is_best:
+            state.best_value, state.best_step = record[self.best_metric], state.global_step
+        return is_best
 
     def _close_early_end(self) -> None:
         """The data ran out before ``total_steps`` (e.g. max_steps above what one stream holds): evaluate and
@@ -201,6 +209,8 @@ class Trainer:
         is_best = False
         if self.evaluator is not None and self._evaluated_at != step:
             is_best = self._evaluate()
+        elif self.evaluator is None and self._saved_at != step and self.last_train:
+            is_best = self._training_best(self.last_train)
         if self._saved_at != step:
             self.save(is_best=is_best)
 

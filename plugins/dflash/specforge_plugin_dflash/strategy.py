@@ -55,6 +55,17 @@ def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: 
     return TrainBatch(tensors={**tensors, "lengths": lengths}, sample_ids=sample_ids, num_tokens=int(lengths.sum()))
 
 
+def _max_across_ranks(value: int, device: torch.device) -> int:
+    """The largest ``value`` of the process group (``value`` itself outside one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def _mask_origin(extra: Mapping[str, Any], token: int) -> str:
     """Why ``token`` fills the drafted positions, for the log line."""
     if extra.get("mask_token_id") == token:
@@ -195,7 +206,9 @@ class DFlashStrategy:
         accepted = torch.zeros_like(input_ids)
         rows = [row.nonzero().flatten() for row in valid]
         group = self.options.eval_anchor_chunk
-        for start in range(0, max((len(r) for r in rows), default=0), group):
+        # Under FSDP each draft pass is a collective: every rank runs as many, the longest row's.
+        longest = _max_across_ranks(max((len(r) for r in rows), default=0), input_ids.device)
+        for start in range(0, longest, group):
             parts = [r[start:start + group] for r in rows]
             width = max(1, max(len(p) for p in parts))
             anchors = torch.zeros(len(rows), width, dtype=torch.long, device=input_ids.device)

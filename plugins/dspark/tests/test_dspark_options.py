@@ -69,7 +69,7 @@ def test_the_capture_plan_is_dflashs_plus_the_last_hidden_state(make_draft, rand
 def test_the_spec_asks_for_the_hidden_states_and_the_last_hidden_state(plugin_manager):
     (spec,) = specforge_strategies()
     assert spec.name == "dspark" and spec.requires == {"aux_hidden_states", "last_hidden"}
-    assert (spec.best_metric, spec.best_mode) == ("accept_len", "max")
+    assert (spec.best_metric, spec.best_mode) == ("accept_len_sim", "max")
     installed = plugin_manager.get("strategy", "dspark")
     assert installed.provenance.distribution == "specforge-plugin-dspark"
     assert installed.factory == "specforge_plugin_dspark.strategy:DSparkStrategy"

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from ...config import RunPlan
 from ...protocols import BuildContext
 from ..capture import eval_loader, stored_eval_note, stored_token_rows, stream_loader
-from .record import (
-    CONTROL_DIR,
-    FINISHED_MARKER,
-    RELEASED_MARKER,
-    StreamError,
-    check_stream_contract,
-    hold_lock,
-    stream_contract,
-    stream_control,
-    stream_store,
-    wait_for_stream,
-)
+from .record import FINISHED_MARKER, RELEASED_MARKER, StreamError, check_consumer_fits
+from .state import open_stream
 
 
 class StreamSource:
@@ -43,31 +32,23 @@ class StreamSource:
 
     def __init__(self, plan: RunPlan, strategy: Any, context: BuildContext, *,
                  sync: Callable[[], None] = lambda: None) -> None:
-        from ...features import FeatureSet
-
-        assert plan.features is not None
         self.plan = plan
         self.sync = sync
         self.rank = context.rank
-        self._lock = hold_lock(os.path.join(plan.features, CONTROL_DIR, f"consumer.rank{context.rank}.lock"),
-                               f"consumer (rank {context.rank})")
-        self.control: Any = None
+        self.stream: Any = None
+        self.store: Any = None
+        self.eval_store: Any = None
+        self._finished = False
         try:
-            self.record = wait_for_stream(plan.features, plan["control_plane"].options.idle_timeout_s)
-            check_stream_contract(self.record, stream_contract(plan), features=str(plan.features), side="consumer")
-            self.features = FeatureSet.open(plan.features)
+            self.stream = open_stream(plan, context, f"consumer.rank{context.rank}")
+            self.stream.hold(f"consumer.rank{context.rank}", f"consumer (rank {context.rank})")
+            self.control, self.where = self.stream.control, self.stream.where
+            self.record = self.stream.wait_for_record(self.control.channel.idle_timeout_s)
+            self.features, self.store, self.eval_store, self.eval_refs = self.stream.consumer_features()
+            self.eval_note = stored_eval_note(self.where, self.eval_refs)
             self.target = self.features.target
+            check_consumer_fits(plan, self.record, self.where, self.stream.remedy)
             self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
-            self.control = stream_control(plan, context)
-            # The training stream: the plan's cross-process store, or the directory's disk store
-            # (consume-once there: a checkpointed sample's file is deleted). Eval samples always
-            # come from the directory and are never released.
-            self.store = stream_store(plan, context)
-            self.eval_store = self.features.open_store(context)
-            if self.store is None:
-                self.store = self.features.open_store(context, consume_once=True)
-            self.eval_refs = self.features.refs_by_split(self.eval_store)["eval"]
-            self.eval_note = stored_eval_note(plan.features, self.eval_refs)
         except BaseException:
             self.close()
             raise
@@ -97,7 +78,7 @@ class StreamSource:
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
         if not self.eval_refs:
             return None
-        return lambda: eval_loader(self.eval_store, self.eval_refs, collate, batch_size, rank, world_size)
+        return lambda: eval_loader(self.eval_store or self.store, self.eval_refs, collate, batch_size, rank, world_size)
 
     def start(self, skip_samples: int = 0, global_step: int = 0) -> None:
         """Take up the stream after the checkpoint of ``global_step`` (0: from the beginning).
@@ -110,9 +91,10 @@ class StreamSource:
         if global_step < released:
             where = "from the beginning" if global_step == 0 else f"from the checkpoint of step {global_step}"
             raise StreamError(
-                f"the samples trained up to step {released} of the stream in {self.plan.features} were deleted after "
+                f"the samples trained up to step {released} of the stream in {self.where} were deleted after "
                 f"a checkpoint covered them, so this consumer cannot start {where}: resume from the latest "
-                "checkpoint (--resume latest), or stream into a new --features directory for a new run")
+                "checkpoint (--resume latest), or start a new stream (a new --features directory or "
+                "control_plane.schema) for a new run")
         metadata.requeue_acked_after(global_step)
         self.sync()  # every rank sees the requeued samples before any rank re-reads the channel
         acked = self.control.resume_consumer().acked
@@ -142,14 +124,19 @@ class StreamSource:
         """Training ended normally at ``global_step`` (its checkpoint written): tell the producer."""
         if self.rank == 0:
             self.control.metadata.set_marker(FINISHED_MARKER, {"step": global_step})
+            self._finished = True
 
     def close(self) -> None:
-        if getattr(self, "control", None) is not None:
-            self.control.close()
-        for name in ("store", "eval_store"):
-            store = getattr(self, name, None)
-            if store is not None:
-                store.close()
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        """Release everything; after a finished run, rank 0 first ends the stream (every rank
+        has passed the run's last barrier by then: nobody reads its objects any more)."""
+        try:
+            if self._finished:
+                self.stream.end(self.store, self.features.manifest)
+        finally:
+            for store in (self.store, self.eval_store):
+                if store is not None:
+                    store.close()
+            self.store = self.eval_store = None
+            if self.stream is not None:
+                self.stream.close()
+                self.stream = None

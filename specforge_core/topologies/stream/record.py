@@ -1,7 +1,14 @@
 """What both sides of a disaggregated stream share: its record, markers, locks, control plane and store.
 
-A stream lives in a features directory ``DIR`` that the producer and its consumers share
-(on one host: the sqlite control plane's WAL needs local locks and shared memory)::
+Both kinds of stream have one interface (``control``, ``where``, ``hold``,
+``wait_for_record``, ``consumer_features``, ``end``, ``close``): :class:`DirectoryStream`
+here, and :class:`~.networked.NetworkedStream` for hosts that share no directory;
+:func:`.state.open_stream` picks the one a plan asks for. The checks that producer and
+consumer agree (:func:`check_same_stream`, :func:`check_consumer_fits`) serve both.
+
+A directory stream lives in a features directory ``DIR`` that the producer and its
+consumers share (on one host: the sqlite control plane's WAL needs local locks and shared
+memory)::
 
     DIR/manifest.json               a features directory (see :mod:`specforge_core.features`),
     DIR/frozen_parts.safetensors    plus a ``stream`` record the consumer waits for: sample
@@ -22,7 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -69,11 +76,17 @@ def stream_contract(plan: RunPlan) -> dict[str, Any]:
     return contract
 
 
-def check_stream_contract(streamed: dict[str, Any], mine: dict[str, Any], *, features: str, side: str) -> None:
+#: What to do about a stream of other settings, by mode: a directory stream, a networked one.
+DIRECTORY_REMEDY = "stream into a new --features directory"
+NETWORKED_REMEDY = "use another control_plane.schema for a stream of other settings"
+
+
+def check_stream_contract(streamed: dict[str, Any], mine: dict[str, Any], *, features: str, side: str,
+                          remedy: str = DIRECTORY_REMEDY) -> None:
     """Refuse, naming the field, when ``mine`` differs from what the stream in ``features`` records.
 
-    ``streamed`` is the stream record; ``mine`` this side's :func:`stream_contract` (a
-    restarted producer adds the sample counts it prepared). Every key of ``mine`` must match.
+    ``streamed`` is the stream record (or a networked stream's manifest); ``mine`` this side's
+    (a producer's holds the sample counts it prepared too). Every key of ``mine`` must match.
     """
     for key in sorted(mine):
         theirs, ours = streamed.get(key), mine[key]
@@ -83,15 +96,20 @@ def check_stream_contract(streamed: dict[str, Any], mine: dict[str, Any], *, fea
             setting = f"--strategy {theirs}"
         elif "." in key:
             setting = f"--set {key}={theirs if isinstance(theirs, str) else json.dumps(theirs)}"
-        else:  # a count the data gives: the data file itself changed
+        elif key in ("train_samples", "eval_samples"):  # a count the data gives: the data file itself changed
             setting = "the same data files"
+        else:
+            setting = "the same target and strategy options"
         if side == "producer":
             raise StreamError(f"{features} already streams with {key}={theirs!r}, but this producer has "
-                              f"{key}={ours!r}. A stream cannot change under its consumers: restart the producer "
-                              f"with the stream's settings ({setting}), or stream into a new --features directory")
+                              f"{key}={ours!r} ({key} differs). A stream cannot change under its consumers: restart "
+                              f"the producer with the stream's settings ({setting}), or {remedy}")
+        if key == "strategy":
+            raise StreamError(f"the producer streams features for strategy {theirs!r} into {features}, but this "
+                              f"{side} runs strategy {ours!r} (field strategy); start it with {setting}, or {remedy}")
         raise StreamError(f"the producer streams into {features} with {key}={theirs!r}, but this {side} has "
                           f"{key}={ours!r}; a consumer trains exactly what is streamed: start it with the stream's "
-                          f"settings ({setting}), or stream into a new --features directory for other settings")
+                          f"settings ({setting}), or {remedy}")
 
 
 def stream_control(plan: RunPlan, context: BuildContext) -> Any:
@@ -167,20 +185,119 @@ def write_stream_record(root: Path, record: dict[str, Any]) -> None:
     atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
 
 
-def wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
-    """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
+def stream_record(plan: RunPlan, samples: list[Any], eval_samples: list[Any]) -> dict[str, Any]:
+    """What a producer streams, which every producer and consumer of the stream must agree on: the
+    :func:`stream_contract`, the sample counts the data gave, and the engine's suggested train
+    defaults (the consumer has no target engine: it applies them from here)."""
+    from ...config import engine_train_suggestions
+
+    return {**stream_contract(plan), "train_samples": len(samples), "eval_samples": len(eval_samples),
+            "suggested_train_options": engine_train_suggestions(plan)}
+
+
+def check_same_stream(previous: dict[str, Any] | None, record: dict[str, Any], where: str,
+                      remedy: str = DIRECTORY_REMEDY) -> None:
+    """Refuse a producer whose stream differs from the one ``where`` already streams, naming the field."""
+    if previous is not None:
+        check_stream_contract(previous, record, features=where, side="producer", remedy=remedy)
+
+
+def check_consumer_fits(plan: RunPlan, record: dict[str, Any], where: str, remedy: str = DIRECTORY_REMEDY) -> None:
+    """Refuse a consumer that would train something else than the stream ``where`` carries, naming the
+    field (another strategy or its options, other data, epochs or seed).
+
+    A consumer that names no data file trains the stream's (on another host the producer's
+    paths mean nothing); one that names them must name the producer's.
+    """
+    mine = {key: value for key, value in stream_contract(plan).items()
+            if not (key in ("data.path", "data.eval_path") and value is None)}
+    check_stream_contract(record, mine, features=where, side="consumer", remedy=remedy)
+
+
+def wait_for(read: Callable[[], Any], wait_s: float, waiting: str, failure: str) -> Any:
+    """``read()``'s first value that is not None, polling for up to ``wait_s`` s (saying
+    ``waiting`` once on stderr); after that, :class:`StreamError` with ``failure``, whose
+    ``{within}`` says how long was waited."""
     deadline = time.monotonic() + wait_s
     told = False
     while True:
-        record = read_stream_record(root)
-        if record is not None:
-            return record
+        value = read()
+        if value is not None:
+            return value
         if time.monotonic() >= deadline:
-            raise StreamError(f"no producer started a stream in {root} within {wait_s:g}s "
-                              "(control_plane.idle_timeout_s): start `specforge run --role producer --features "
-                              f"{root}` with the same strategy and data, or point --features at the directory it "
-                              "writes")
+            raise StreamError(failure.replace("{within}", f"within {wait_s:g}s (control_plane.idle_timeout_s)"))
         if not told:
-            print(f"waiting for a producer to stream into {root} ...", file=sys.stderr, flush=True)
+            print(f"waiting: {waiting} ...", file=sys.stderr, flush=True)
             told = True
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def wait_for_stream(root: str, wait_s: float) -> dict[str, Any]:
+    """The producer's stream record, waiting up to ``wait_s`` for a producer to write it."""
+    return wait_for(lambda: read_stream_record(root), wait_s, f"for a producer to stream into {root}",
+                    f"no producer started a stream in {root} {{within}}: start `specforge run --role producer "
+                    f"--features {root}` with the same strategy and data, or point --features at the directory it "
+                    "writes")
+
+
+class DirectoryStream:
+    """The shared state of a stream in a features directory (one host; see the module docstring).
+
+    The control plane is the sqlite one in ``DIR/control``, exclusive roles hold lock files
+    there, the stream record is in the manifest. :class:`.networked.NetworkedStream` has the
+    same interface for hosts that share no directory; :func:`.state.open_stream` picks one.
+    """
+
+    def __init__(self, plan: RunPlan, context: BuildContext) -> None:
+        assert plan.features is not None
+        self.plan, self.context = plan, context
+        self.root = str(plan.features)
+        self.where = self.root
+        self.remedy = DIRECTORY_REMEDY  # what to do about a stream of other settings
+        self._control: Any = None
+        self._locks: list[int] = []
+
+    @property
+    def control(self) -> Any:
+        """The stream's control plane, opened on first use."""
+        if self._control is None:
+            self._control = stream_control(self.plan, self.context)
+        return self._control
+
+    def hold(self, name: str, what: str, wait_s: float | None = None) -> None:
+        """Be the one ``what`` of the stream (lock file ``control/NAME.lock``) until :meth:`close`.
+
+        ``wait_s`` is unused: a lock file is free as soon as its holder exits, however it died.
+        """
+        self._locks.append(hold_lock(os.path.join(self.root, CONTROL_DIR, f"{name}.lock"), what))
+
+    def wait_for_record(self, wait_s: float) -> dict[str, Any]:
+        return wait_for_stream(self.root, wait_s)
+
+    def consumer_features(self) -> tuple[Any, Any, Any, list[Any]]:
+        """(feature set, training store, eval store, eval refs) of a consumer.
+
+        The training stream goes through the plan's cross-process store, or the directory's
+        disk store (consume-once there: a checkpointed sample's file is deleted). Eval
+        samples always come from the directory and are never released.
+        """
+        from ...features import FeatureSet
+
+        features = FeatureSet.open(self.root)
+        store = stream_store(self.plan, self.context)
+        eval_store = features.open_store(self.context)
+        if store is None:
+            store = features.open_store(self.context, consume_once=True)
+        return features, store, eval_store, features.refs_by_split(eval_store)["eval"]
+
+    def end(self, store: Any, manifest: dict[str, Any]) -> None:
+        """Training finished: the directory keeps its eval split and target parts for reuse."""
+
+    def close(self) -> None:
+        """Close the control plane and give up the lock files."""
+        try:
+            if self._control is not None:
+                self._control.close()
+        finally:
+            while self._locks:
+                os.close(self._locks.pop())

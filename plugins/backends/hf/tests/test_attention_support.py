@@ -75,7 +75,7 @@ def test_auto_attention_on_cpu_picks_eager_for_softcapping_and_sinks_and_capture
     engine = HFTargetEngine(HFEngineOptions(model=str(tiny_models[kind])))
     assert engine.info().extra["attn_implementation"] == "eager"
     reference = AutoModelForCausalLM.from_pretrained(tiny_models[kind], attn_implementation="eager")
-    plan = CapturePlan(layer_ids=(0, 1), last_hidden=True)
+    plan = CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 1), last_hidden=True)
     for sample in samples(engine.tokenizer):
         (captured,) = engine.capture([sample], plan)
         with torch.no_grad():

@@ -49,7 +49,7 @@ class TestHFEngineConformance(TargetEngineConformance):
 
 def test_engine_satisfies_the_target_engine_protocol(engine):
     assert isinstance(engine, TargetEngine)
-    session = engine.session(torch.tensor([1, 5, 7]), CapturePlan(layer_ids=(1,)))
+    session = engine.session(torch.tensor([1, 5, 7]), CapturePlan(hidden_feature="aux_hidden", layer_ids=(1,)))
     assert isinstance(session, VerifySession)
 
 
@@ -86,14 +86,14 @@ def test_batch_invariant_attention_computes_what_eager_attention_computes(engine
     assert eager.info().extra["attn_implementation"] == "eager"
     assert engine.info().extra["attn_implementation"] == "specforge_batch_invariant"
     samples = conversation_samples(engine, limit=6)
-    plan = CapturePlan(layer_ids=(0, 1, 2), last_hidden=True)
+    plan = CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 1, 2), last_hidden=True)
     for ours, theirs in zip(engine.capture(samples, plan), eager.capture(samples, plan)):
         torch.testing.assert_close(ours["aux_hidden"], theirs["aux_hidden"], atol=1e-5, rtol=1e-5)
 
 
 def test_capture_splits_batches_by_capture_batch_size(engine):
     samples = conversation_samples(engine, limit=5)
-    plan = CapturePlan(layer_ids=(1,), last_hidden=True)
+    plan = CapturePlan(hidden_feature="aux_hidden", layer_ids=(1,), last_hidden=True)
     whole = make_engine(engine.model_path, capture_batch_size=5).capture(samples, plan)
     split = make_engine(engine.model_path, capture_batch_size=2).capture(samples, plan)
     for a, b in zip(whole, split):
@@ -122,7 +122,7 @@ def test_layer_id_i_is_the_hidden_state_entering_layer_i_plus_one_as_serving_eng
         for handle in handles:
             handle.remove()
     n = len(layers)
-    result = engine.capture([sample], CapturePlan(layer_ids=tuple(range(n - 1)), last_hidden=True))[0]
+    result = engine.capture([sample], CapturePlan(hidden_feature="aux_hidden", layer_ids=tuple(range(n - 1)), last_hidden=True))[0]
     width = engine.info().hidden_size
     for i in range(n - 1):
         got = result["aux_hidden"][:, i * width:(i + 1) * width]
@@ -139,7 +139,7 @@ def test_layer_id_i_is_the_hidden_state_entering_layer_i_plus_one_as_serving_eng
 
 
 def greedy_with_session(engine: HFTargetEngine, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
-    session = engine.session(prompt, CapturePlan(layer_ids=(0,)))
+    session = engine.session(prompt, CapturePlan(hidden_feature="aux_hidden", layer_ids=(0,)))
     token = int(session.prefill["logits"][-1].argmax())
     out = [token]
     while len(out) < max_new_tokens and token != engine.tokenizer.eos_token_id:
@@ -182,7 +182,7 @@ def test_session_verifies_a_draft_and_keeps_only_the_accepted_prefix(engine):
 
 
 def test_session_without_a_prompt_starts_empty(engine):
-    session = engine.session(None, CapturePlan(layer_ids=(0,)))
+    session = engine.session(None, CapturePlan(hidden_feature="aux_hidden", layer_ids=(0,)))
     assert session.length == 0 and session.prefill is None
     assert session.extend(torch.tensor([1, 4]))["logits"].shape == (2, 384)
 
@@ -266,20 +266,20 @@ def test_folder_without_tokenizer_is_a_clear_error(tiny_toy_target, tmp_path):
 def test_bad_layer_id_names_the_valid_range(engine):
     sample = conversation_samples(engine, limit=1)
     with pytest.raises(CapturePlanError, match=r"layer id 4, .* 4 decoder layers: valid layer ids are 0\.\.2"):
-        engine.capture(sample, CapturePlan(layer_ids=(0, 4)))
+        engine.capture(sample, CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 4)))
 
 
 def test_the_last_layers_output_is_refused_because_no_serving_engine_can_capture_it(engine):
     sample = conversation_samples(engine, limit=1)
     with pytest.raises(CapturePlanError, match=r"layer id 3, .*valid layer ids are 0\.\.2 .*the last layer's "
                                                r"output \(id L-1\) does not exist in a serving engine"):
-        engine.capture(sample, CapturePlan(layer_ids=(0, 3)))
+        engine.capture(sample, CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 3)))
     with pytest.raises(CapturePlanError, match=r"layer id -1"):
-        engine.session(sample[0]["input_ids"], CapturePlan(layer_ids=(-1,)))
+        engine.session(sample[0]["input_ids"], CapturePlan(hidden_feature="aux_hidden", layer_ids=(-1,)))
 
 
 def test_plan_feature_width_that_does_not_match_the_target_is_a_clear_error(engine):
-    plan = CapturePlan(layer_ids=(0, 1), features={"aux_hidden": FeatureSpec((-1, 96), "float32")})
+    plan = CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 1), features={"aux_hidden": FeatureSpec((-1, 96), "float32")})
     with pytest.raises(CapturePlanError, match="width 96, but the target gives 64"):
         engine.capture(conversation_samples(engine, limit=1), plan)
 
@@ -297,7 +297,7 @@ def test_bad_dtype_lists_the_choices(tiny_toy_target, dtype):
 def test_dtype_option_sets_the_weights_and_features_dtype(tiny_toy_target):
     engine = make_engine(tiny_toy_target, dtype="bfloat16")
     assert engine.info().dtype == "bfloat16"
-    result = engine.capture([{"input_ids": torch.tensor([1, 2, 3])}], CapturePlan(layer_ids=(0,), last_hidden=True))
+    result = engine.capture([{"input_ids": torch.tensor([1, 2, 3])}], CapturePlan(hidden_feature="aux_hidden", layer_ids=(0,), last_hidden=True))
     assert result[0]["aux_hidden"].dtype == torch.bfloat16
 
 
@@ -325,17 +325,17 @@ def test_cuda_device_without_cuda_says_to_use_cpu(tiny_toy_target):
 ])
 def test_malformed_input_ids_are_clear_errors(engine, ids, message):
     with pytest.raises(TargetEngineError, match=message):
-        engine.capture([{"input_ids": ids}], CapturePlan(layer_ids=(0,)))
+        engine.capture([{"input_ids": ids}], CapturePlan(hidden_feature="aux_hidden", layer_ids=(0,)))
 
 
 def test_sample_without_input_ids_lists_its_keys(engine):
     with pytest.raises(TargetEngineError, match="sample 0 has no 'input_ids' \\(it has: tokens\\)"):
-        engine.capture([{"tokens": [1, 2]}], CapturePlan(layer_ids=(0,)))
+        engine.capture([{"tokens": [1, 2]}], CapturePlan(hidden_feature="aux_hidden", layer_ids=(0,)))
 
 
 @pytest.mark.parametrize("length", [-1, 9, 2.5])
 def test_truncate_outside_the_cached_length_is_a_clear_error(engine, length):
-    session = engine.session(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), CapturePlan(layer_ids=(0,)))
+    session = engine.session(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), CapturePlan(hidden_feature="aux_hidden", layer_ids=(0,)))
     with pytest.raises(TargetEngineError, match=r"length must be an integer in 0\.\.8"):
         session.truncate(length)
     assert session.length == 8
@@ -370,7 +370,7 @@ def forward_hooks(model) -> dict[str, int]:
 
 
 def test_capture_leaves_no_hooks_on_the_target_even_when_the_forward_fails(engine):
-    plan = CapturePlan(layer_ids=(0, 2), last_hidden=True)
+    plan = CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 2), last_hidden=True)
     before = forward_hooks(engine.model)
     engine.capture(conversation_samples(engine, limit=2), plan)
     assert forward_hooks(engine.model) == before
@@ -392,7 +392,7 @@ def test_concurrent_captures_and_sessions_in_threads_do_not_mix_features(engine)
     from concurrent.futures import ThreadPoolExecutor
 
     samples = conversation_samples(engine, limit=6)
-    plan = CapturePlan(layer_ids=(0, 2), last_hidden=True)
+    plan = CapturePlan(hidden_feature="aux_hidden", layer_ids=(0, 2), last_hidden=True)
     want = [engine.capture([s], plan)[0] for s in samples]
 
     def capture(i):

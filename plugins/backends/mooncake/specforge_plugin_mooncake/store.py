@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -107,6 +108,8 @@ class MooncakeStore(BaseFeatureStore):
         self._pending: dict[str, float] = {}  # data key -> when its deletion was first refused
         self._next_retry = 0.0
         self._last_generation = 0
+        #: Whether this process lends Mooncake memory: objects placed there vanish when it exits.
+        self.lends_memory = options.global_segment_size > 0
         self._client_key, self._client = _acquire_client(options)
         try:
             self._config = _replicate_config(pin=options.pin)
@@ -258,6 +261,23 @@ class MooncakeStore(BaseFeatureStore):
         with self._lock:
             stats["pending_deletions"] = len(self._pending)
         return stats
+
+    def destroy(self) -> int:
+        """Delete every object of this namespace, its manifest included; how many there were.
+
+        For the end of a stream, once no process reads the namespace any more: the deletion
+        is forced (read leases protect transfers in flight, and there are none), and it also
+        takes objects no ref names, such as a sample a killed producer stored but never
+        published.
+        """
+        self._check_open("destroy")
+        removed = self._client.remove_by_regex("^" + re.escape(self._prefix), True)
+        if removed < 0:
+            raise FeatureStoreError(f"deleting the objects of {self.uri} failed with Mooncake error {removed}")
+        with self._lock:
+            self._known.clear()
+            self._pending.clear()
+        return removed
 
     def _close(self) -> None:
         deadline = time.monotonic() + self.lease_wait_s

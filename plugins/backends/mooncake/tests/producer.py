@@ -1,10 +1,11 @@
 """The producer side of the two-process test: run as a script, never collected by pytest.
 
-``python producer.py MASTER METADATA_URL NAMESPACE COUNT`` puts sample ``s0`` once (its ref
-is printed as ``stale``), then ``s0`` .. ``s<COUNT-1>`` (``s0`` again, which makes the first
-ref stale), printing one JSON line per ref and then ``ready``. It keeps running, so the
-samples its segment holds stay available, until a ``done`` line on stdin; then it prints
-its stats and exits.
+``python producer.py MASTER METADATA_URL NAMESPACE COUNT [SEGMENT_BYTES]`` puts sample ``s0``
+once (its ref is printed as ``stale``), then ``s0`` .. ``s<COUNT-1>`` (``s0`` again, which
+makes the first ref stale), printing one JSON line per ref and then ``ready``. It keeps
+running, so the samples its segment holds stay available, until a ``done`` line on stdin;
+then it prints its stats and exits. ``SEGMENT_BYTES`` is the memory it lends (32 MiB by
+default; 0 places its samples in other processes' segments).
 """
 
 import json
@@ -16,9 +17,9 @@ from specforge_plugin_mooncake import MooncakeStoreOptions
 from specforge_plugin_mooncake.store import MooncakeStore
 
 
-def main(master: str, metadata: str, namespace: str, count: int) -> None:
+def main(master: str, metadata: str, namespace: str, count: int, segment_bytes: int = 32 * 2**20) -> None:
     options = MooncakeStoreOptions(master_address=master, metadata_server=metadata, namespace=namespace,
-                                   global_segment_size=32 * 2**20, local_buffer_size=16 * 2**20)
+                                   global_segment_size=segment_bytes, local_buffer_size=16 * 2**20)
     with MooncakeStore(options, BuildContext(run_id="producer", role="producer")) as store:
         first = store.put("s0", sample_tensors(tokens=2, seed=99))
         print(json.dumps({"kind": "stale", "ref": first.to_json()}), flush=True)
@@ -33,4 +34,4 @@ def main(master: str, metadata: str, namespace: str, count: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *map(int, sys.argv[5:6]))

@@ -20,7 +20,7 @@ from specforge_core.plugins import PluginManager
 from specforge_core.protocols import BuildContext
 from specforge_core.testing.feature_store_suite import FeatureStoreConformance, assert_same_tensors, sample_tensors
 from specforge_plugin_mooncake.errors import MooncakeUnavailableError
-from specforge_plugin_mooncake.master import free_port
+from specforge_plugin_mooncake.master import LocalSegmentHolder, free_port
 
 PRODUCER = Path(__file__).with_name("producer.py")
 
@@ -292,3 +292,38 @@ def test_a_producer_process_puts_while_this_process_gets_and_releases(master, na
         if producer.poll() is None:
             producer.kill()
             producer.wait()
+
+
+def test_samples_of_a_process_that_lends_no_memory_outlive_its_sigkill(fresh_master, namespace, open_store):
+    """With a segment holder lending the memory, a killed producer takes no sample with it."""
+    with LocalSegmentHolder(fresh_master, 64 * 2**20):
+        command = [sys.executable, str(PRODUCER), fresh_master.master_address, fresh_master.metadata_server,
+                   namespace, "3", "0"]
+        producer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            messages = []
+            while not messages or messages[-1]["kind"] != "ready":
+                messages.append(json.loads(producer.stdout.readline()))
+        finally:
+            producer.kill()
+            producer.wait()
+        refs = [SampleRef.from_json(m["ref"]) for m in messages if m["kind"] == "ref"]
+        consumer = open_store(fresh_master, namespace, global_segment_size=0)
+        assert consumer.lends_memory is False and len(refs) == 3
+        for index, ref in enumerate(refs):
+            assert_same_tensors(consumer.get(ref), sample_tensors(tokens=3 + index, seed=index))
+
+
+def test_destroy_removes_every_object_of_its_namespace_and_no_other(fresh_master, namespace, open_store):
+    ours, other = open_store(fresh_master, namespace), open_store(fresh_master, namespace + "-other")
+    first = ours.put("a", sample_tensors(tokens=2, seed=1))
+    ours.get(first)  # a read lease does not stop the end of a stream
+    ours.put("b", sample_tensors(tokens=2, seed=2))
+    kept = other.put("a", sample_tensors(tokens=2, seed=3))
+    before = fresh_master.key_count()
+    assert ours.destroy() == 5  # two samples, their two heads and the namespace's manifest
+    assert fresh_master.key_count() == before - 5
+    assert_same_tensors(other.get(kept), sample_tensors(tokens=2, seed=3))
+    with pytest.raises(SampleNotFoundError, match=r"'a'"):
+        ours.get(first)

@@ -1,0 +1,257 @@
+"""What only the postgres control plane does: clear connection errors, NOTIFY wake-ups,
+surviving a server restart, schemas of other streams, leases and a producer pool's claims."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import psycopg
+import pytest
+
+from specforge_core.errors import ClaimLostError, ControlPlaneError, LeaseHeldError
+from specforge_core.testing.control_plane_suite import Background, ids, sample_refs
+from specforge_plugin_postgres.errors import PostgresNotReadyError, PostgresUnavailableError, StreamMismatchError
+from specforge_plugin_postgres.server import free_port
+from specforge_plugin_postgres.testing import open_plane
+
+
+def _open_with_dsn(dsn, schema="t_conn", **options):
+    from specforge_core.protocols import BuildContext
+    from specforge_plugin_postgres import PostgresControlPlaneOptions
+    from specforge_plugin_postgres.plane import PostgresControlPlane
+
+    return PostgresControlPlane(PostgresControlPlaneOptions(dsn=dsn, schema=schema, **options), BuildContext())
+
+
+# ---- connecting ------------------------------------------------------------------------------
+def test_a_port_nobody_listens_on_is_a_clear_error_naming_the_address_at_once():
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(PostgresUnavailableError, match=rf"cannot connect to PostgreSQL at u@127\.0\.0\.1:{port}/db: .*"
+                                                         r"nothing accepts connections there"):
+        _open_with_dsn(f"postgresql://u:secret@127.0.0.1:{port}/db")
+    assert time.monotonic() - start < 5
+
+
+def test_a_server_that_never_answers_fails_within_the_connect_timeout():
+    with socket.socket() as silent:  # accepts TCP connections and says nothing: a hung server
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(PostgresUnavailableError, match=r"nothing answered within 2s \(control_plane\."
+                                                             r"connect_timeout_s\)"):
+            _open_with_dsn(f"postgresql://u@127.0.0.1:{port}/db", connect_timeout_s=2)
+        assert time.monotonic() - start < 8
+
+
+def test_a_wrong_password_is_refused_with_a_hint_and_never_echoed(postgres):
+    dsn = postgres.dsn_for("specforge", password="not-the-password")
+    with pytest.raises(PostgresUnavailableError, match=r"refused the login: check the user and password") as caught:
+        _open_with_dsn(dsn)
+    assert "not-the-password" not in str(caught.value)
+
+
+def test_a_missing_database_says_to_create_it(postgres):
+    with pytest.raises(PostgresUnavailableError, match=r"/nosuchdb: .*the database does not exist: create it"):
+        _open_with_dsn(postgres.dsn_for("nosuchdb"))
+
+
+def test_a_malformed_dsn_names_the_option():
+    with pytest.raises(ControlPlaneError, match=r"control_plane\.dsn is not a PostgreSQL connection string"):
+        _open_with_dsn("host 127.0.0.1")
+
+
+# ---- schemas ---------------------------------------------------------------------------------
+def test_a_schema_holding_other_tables_is_refused_and_left_alone(postgres, schema):
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.invoices (id int)")
+        with pytest.raises(StreamMismatchError, match=rf"schema '{schema}' .* holds tables that are not a specforge "
+                                                      r"control plane \(invoices\); name another schema"):
+            open_plane(postgres, schema)
+        tables = conn.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                              (schema,)).fetchall()
+    assert tables == [("invoices",)]
+
+
+def test_a_schema_of_another_version_is_refused_and_keeps_its_rows(postgres, schema):
+    plane = open_plane(postgres, schema)
+    plane.metadata.commit(sample_refs(3))
+    plane.close()
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(f"UPDATE {schema}.meta SET value = '99' WHERE key = 'schema_version'")
+        with pytest.raises(StreamMismatchError, match=r"has control-plane schema v99; this specforge reads v1"):
+            open_plane(postgres, schema)
+        assert conn.execute(f"SELECT count(*) FROM {schema}.samples").fetchone()[0] == 3
+
+
+def test_a_bad_schema_name_is_refused():
+    from specforge_plugin_postgres.schema import check_schema_name
+
+    with pytest.raises(StreamMismatchError, match=r"control_plane\.schema must be a lowercase identifier.*'Bad-Name'"):
+        check_schema_name("Bad-Name")
+
+
+def test_two_streams_in_one_database_stay_apart(postgres, schema):
+    first, second = open_plane(postgres, schema + "_a"), open_plane(postgres, schema + "_b")
+    try:
+        first.metadata.commit(sample_refs(3))
+        first.channel.publish(sample_refs(3))
+        assert second.metadata.stats()["committed"] == 0
+        assert second.channel.poll(5, timeout=0) == []
+    finally:
+        first.close()
+        second.close()
+
+
+# ---- waiting ---------------------------------------------------------------------------------
+def test_a_waiting_consumer_is_woken_by_notify_not_by_its_poll_interval(postgres, schema):
+    producer = open_plane(postgres, schema, role="producer", poll_interval_s=30)
+    consumer = open_plane(postgres, schema, role="consumer", poll_interval_s=30)
+    try:
+        consumer.channel.poll(1, timeout=0.2)  # opens its LISTEN connection
+        waiting = Background(lambda: consumer.channel.poll(4, timeout=20))
+        time.sleep(0.2)
+        refs = sample_refs(2)
+        start = time.monotonic()
+        producer.channel.publish(refs)
+        assert waiting.result(timeout=10) == refs
+        assert time.monotonic() - start < 3  # a 30 s safety-net interval would have kept it asleep
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_ranks_of_a_consumer_group_get_disjoint_shares_in_stream_order(postgres, schema):
+    producer = open_plane(postgres, schema, role="producer")
+    ranks = [open_plane(postgres, schema, role="consumer", rank=r, world_size=3) for r in range(3)]
+    try:
+        refs = sample_refs(10)
+        producer.channel.publish(refs[:4])
+        producer.channel.publish(refs[4:])
+        producer.channel.close()
+        shares = [ids(rank.channel.poll(10, timeout=1)) for rank in ranks]
+        assert shares == [["s0", "s3", "s6", "s9"], ["s1", "s4", "s7"], ["s2", "s5", "s8"]]
+        assert all(rank.channel.poll(1, timeout=1) == [] and rank.channel.finished for rank in ranks)
+    finally:
+        for plane in [producer, *ranks]:
+            plane.close()
+
+
+# ---- a server restart --------------------------------------------------------------------------
+def test_a_server_restart_is_ridden_out_and_nothing_applies_twice(fresh_postgres, schema):
+    producer = open_plane(fresh_postgres, schema, role="producer")
+    consumer = open_plane(fresh_postgres, schema, role="consumer")
+    try:
+        refs = sample_refs(6)
+        producer.channel.publish(producer.metadata.commit(refs[:3]))
+        assert consumer.channel.poll(10, timeout=2) == refs[:3]
+        fresh_postgres.restart()  # fast shutdown: every open connection is cut
+        producer.channel.publish(producer.metadata.commit(refs[3:]))
+        assert consumer.channel.poll(10, timeout=5) == refs[3:]
+        consumer.metadata.ack(ids(refs), 1)
+        assert producer.metadata.stats() == {"committed": 6, "acked": 6, "duplicates": 0, "pending": 0}
+        assert producer.metadata.db.reconnects >= 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_server_gone_longer_than_the_reconnect_timeout_is_a_clear_error(fresh_postgres, schema):
+    plane = open_plane(fresh_postgres, schema, reconnect_timeout_s=2)
+    try:
+        plane.metadata.commit(sample_refs(2))
+        fresh_postgres.kill()
+        start = time.monotonic()
+        with pytest.raises(PostgresUnavailableError, match=r"lost the connection to PostgreSQL at .* within 2s "
+                                                             r"\(control_plane\.reconnect_timeout_s\)"):
+            plane.metadata.commit(sample_refs(1, start=2))
+        assert time.monotonic() - start < 10
+        fresh_postgres.start_again()
+        assert plane.metadata.stats()["committed"] == 2  # the failed commit left nothing
+    finally:
+        plane.close()
+
+
+def test_a_server_not_taking_connections_yet_is_waited_for_up_to_the_reconnect_timeout(fresh_postgres, schema):
+    session = psycopg.connect(fresh_postgres.dsn, autocommit=True)
+    try:
+        fresh_postgres.stop_when_sessions_end()  # new connections now hear "the database system is shutting down"
+        start = time.monotonic()
+        with pytest.raises(PostgresNotReadyError, match=r"cannot connect to PostgreSQL at .*shutting down.*try "
+                                                        r"again once it accepts connections"):
+            open_plane(fresh_postgres, schema, reconnect_timeout_s=2)
+        assert 2 <= time.monotonic() - start < 10  # it kept trying (a restart under way), then said why it stopped
+    finally:
+        session.close()
+    wait_for_stop = time.monotonic() + 30  # the last session ended: the server stops, then starts again
+    while os.path.exists(os.path.join(fresh_postgres.data_dir, "postmaster.pid")) and time.monotonic() < wait_for_stop:
+        time.sleep(0.2)
+    fresh_postgres.start_again()
+    plane = open_plane(fresh_postgres, schema)
+    try:
+        assert plane.metadata.stats()["committed"] == 0
+    finally:
+        plane.close()
+
+
+def test_a_consumer_restates_its_consumed_count_once_reconnected(fresh_postgres, schema):
+    producer = open_plane(fresh_postgres, schema, role="producer", high_watermark=4, low_watermark=2)
+    consumer = open_plane(fresh_postgres, schema, role="consumer", idle_timeout_s=60, poll_interval_s=0.2)
+    try:
+        producer.channel.publish(sample_refs(4))
+        consumer.channel.report_consumed(len(consumer.channel.poll(4, timeout=5)))
+        assert producer.channel.consumed() == 4
+        # Consumed counts are written without a WAL flush: a crash right after a report loses it,
+        # and a producer paused at the high watermark would wait for a consumer that waits for it.
+        with psycopg.connect(fresh_postgres.dsn, autocommit=True) as conn:
+            conn.execute(f'UPDATE "{schema}".channel_consumed SET consumed = 0')
+        fresh_postgres.restart()
+        assert consumer.channel.poll(1, timeout=1.0) == []  # it reconnects, and restates what it consumed
+        assert producer.channel.consumed() == 4
+    finally:
+        producer.close()
+        consumer.close()
+
+
+# ---- leases and claims --------------------------------------------------------------------------
+def test_a_live_lease_is_refused_and_an_expired_one_taken_over(postgres, schema):
+    plane = open_plane(postgres, schema)
+    try:
+        plane.pool.take_lease("consumer.rank0", "alice", ttl_s=1.0)
+        with pytest.raises(LeaseHeldError, match=r"consumer\.rank0 is held by another live process \(alice"):
+            plane.pool.take_lease("consumer.rank0", "bob", ttl_s=1.0)
+        plane.pool.renew("alice", 1.0)
+        time.sleep(1.3)  # alice died: no renewal
+        plane.pool.take_lease("consumer.rank0", "bob", ttl_s=1.0)
+        assert plane.pool.renew("alice", 1.0) == 0 and plane.pool.renew("bob", 1.0) == 1
+    finally:
+        plane.close()
+
+
+def test_claims_never_overlap_and_a_dead_producers_claim_returns_to_the_pool(postgres, schema):
+    plane = open_plane(postgres, schema, role="producer")
+    consumer = open_plane(postgres, schema, role="consumer")
+    try:
+        plane.pool.open_positions(6)
+        assert plane.pool.claim("a", 2, ttl_s=1.0) == [(0, 1), (1, 1)]
+        assert plane.pool.claim("b", 2, ttl_s=30) == [(2, 1), (3, 1)]
+        refs = sample_refs(6)
+        assert plane.pool.complete("b", [2, 3], refs[2:4]) is False
+        assert consumer.channel.poll(10, timeout=0.2) == []  # position 0 is missing: nothing behind it yet
+        time.sleep(1.2)  # "a" died mid-claim
+        assert plane.pool.claim("b", 4, ttl_s=30, expired_only=True) == [(0, 2), (1, 2)]  # second attempts
+        with pytest.raises(ClaimLostError, match=r"no longer claimed by a"):
+            plane.pool.complete("a", [0, 1], refs[:2])
+        assert plane.pool.complete("b", [0, 1], refs[:2]) is False
+        assert plane.pool.claim("c", 9, ttl_s=30) == [(4, 1), (5, 1)]
+        assert plane.pool.complete("c", [4, 5], refs[4:]) is True  # the last positions close the stream
+        got = consumer.channel.poll(10, timeout=1)
+        assert got == refs and consumer.channel.poll(1, timeout=1) == [] and consumer.channel.finished
+        assert plane.metadata.stats() == {"committed": 6, "acked": 0, "duplicates": 0, "pending": 6}
+    finally:
+        plane.close()
+        consumer.close()
