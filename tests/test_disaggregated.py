@@ -318,5 +318,30 @@ def test_the_stream_contract_covers_every_option_that_changes_the_samples(tmp_pa
     check_stream_contract(contract, contract, features="F", side="consumer")
     for key in sorted(contract):
         changed = {**contract, key: "other"}
-        with pytest.raises(StreamError, match=f"with {key}='other', but this consumer has {key}="):
+        said = ("the producer streams features for strategy 'other' into F, but this consumer runs strategy 'eagle3' "
+                r"\(field strategy\)") if key == "strategy" else f"with {key}='other', but this consumer has {key}="
+        with pytest.raises(StreamError, match=said):
             check_stream_contract(changed, contract, features="F", side="consumer")
+
+
+def test_a_consumer_that_names_no_data_trains_the_streams_and_one_that_names_other_data_is_refused(tmp_path):
+    """On another host the producer's data paths mean nothing: a consumer without --data is not refused for
+    them; a consumer that names a data file must name the producer's."""
+    from specforge_core.config import resolve_plan
+    from specforge_core.plugins import PluginManager
+    from specforge_core.topologies.stream.record import StreamError, check_consumer_fits, stream_contract
+
+    manager = PluginManager().load()
+
+    def plan(role, **data):
+        return resolve_plan(manager, {"strategy": {"name": "eagle3"}, "features": str(tmp_path), "role": role,
+                                      "data": data})
+
+    record = {**stream_contract(plan("producer", path=str(tmp_path / "chats.jsonl"))), "train_samples": 8}
+    check_consumer_fits(plan("consumer"), record, "F")  # no data named: accepted
+    check_consumer_fits(plan("consumer", path=str(tmp_path / "chats.jsonl")), record, "F")
+    with pytest.raises(StreamError, match=r"with data.path='.*chats.jsonl', but this consumer has "
+                                          r"data.path='.*other.jsonl'.*--set data.path="):
+        check_consumer_fits(plan("consumer", path=str(tmp_path / "other.jsonl")), record, "F")
+    with pytest.raises(StreamError, match=r"with data.max_length=2048, but this consumer has data.max_length=64"):
+        check_consumer_fits(plan("consumer", max_length=64), record, "F")

@@ -206,11 +206,11 @@ class DFlashStrategy:
         accepted = torch.zeros_like(input_ids)
         rows = [row.nonzero().flatten() for row in valid]
         group = self.options.eval_anchor_chunk
-        # Under FSDP each draft pass is a collective: every rank runs as many, the longest row's.
+        # Under FSDP each draft pass is a collective: every rank runs as many, of the same width.
         longest = _max_across_ranks(max((len(r) for r in rows), default=0), input_ids.device)
         for start in range(0, longest, group):
             parts = [r[start:start + group] for r in rows]
-            width = max(1, max(len(p) for p in parts))
+            width = _max_across_ranks(max(1, max(len(p) for p in parts)), input_ids.device)  # same chunks everywhere
             anchors = torch.zeros(len(rows), width, dtype=torch.long, device=input_ids.device)
             keep = torch.zeros(len(rows), width, dtype=torch.bool, device=input_ids.device)
             for b, part in enumerate(parts):
