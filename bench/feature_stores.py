@@ -21,7 +21,10 @@ For each store and sample size this prints one JSON line:
   (``batch`` says how many were used). ``*_same_file`` is the one-sample comparison
   re-reading one file into one buffer: at 1 MiB that raw read runs at CPU-cache speed, a
   limit no read of fresh samples meets. Every read is warm in the page cache (files were
-  just written). Disk lines come with ``verify_checksums`` true and false (the default).
+  just written). Disk lines come with ``verify_checksums`` true and false (the default),
+  and name the checksum new files record (``crc32c``) and whether it runs on the CPU's CRC
+  instructions here (``checksum_in_hardware``; the same on any x86-64 with SSE4.2 or ARMv8
+  with the CRC extension, CUDA hosts included: checksums run on the host CPU).
 - ``fixed_cost`` lines: the per-sample cost that does not scale with bytes, the get of a
   one-token sample against an open + read + close of its file. At 1 MiB this fixed cost,
   plus mapping the pages, is of the order of the data movement itself, which is why small
@@ -43,6 +46,7 @@ from typing import Callable
 import torch
 
 from specforge_core.builtin import DiskStoreOptions, MemoryStoreOptions
+from specforge_core.checksums import CRC32C_IN_HARDWARE, DEFAULT_CHECKSUM
 from specforge_core.feature_stores.disk import DiskFeatureStore
 from specforge_core.feature_stores.memory import MemoryFeatureStore
 from specforge_core.protocols import BuildContext
@@ -201,6 +205,7 @@ def main() -> None:
                 for verify in (True, False):
                     store.verify_checksums = verify
                     emit({"store": "disk", "size_mib": mib, "verify_checksums": verify, "fsync": store.fsync,
+                          "checksum": DEFAULT_CHECKSUM.name, "checksum_in_hardware": CRC32C_IN_HARDWARE,
                           **measure(store, sample, args.repeats, args.batch)})
 
 

@@ -6,9 +6,80 @@ Parameter names follow the Llama/Qwen checkpoints (``weight``; ``gate_proj``, ``
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+#: ``SPECFORGE_CPU_HALF_GEMM``: ``fp32`` (bf16/fp16 linears on CPU run as float32 GEMMs), ``native``
+#: (as torch runs them), or unset (``fp32`` where the CPU lacks bf16 instructions).
+HALF_GEMM_ENV = "SPECFORGE_CPU_HALF_GEMM"
+
+
+@functools.lru_cache(maxsize=1)
+def upcast_half_gemm_on_cpu() -> bool:
+    """Whether :func:`linear` runs bf16/fp16 matmuls on CPU as float32 GEMMs of upcast operands.
+
+    Without AVX512-BF16 or AMX (x86) a CPU has no bf16 GEMM instructions, and torch's bf16
+    GEMM there ran 10-40x slower than the float32 one on the same shapes
+    (``bench/versus_reference.py``); the float32 GEMM accumulates in float32 as a native bf16
+    GEMM does, so results differ by summation order only. CUDA and CPUs with those
+    instructions keep the native kernels. ``SPECFORGE_CPU_HALF_GEMM=fp32|native`` overrides.
+    """
+    choice = os.environ.get(HALF_GEMM_ENV, "").strip().lower()
+    if choice in ("fp32", "native"):
+        return choice == "fp32"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:  # not Linux: leave torch's kernels alone
+        return False
+    return bool(flags) and not {"avx512_bf16", "amx_bf16"} & set(flags)
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """``x @ w.T (+ b)`` with half-precision operands, computed as float32 GEMMs and rounded back.
+
+    Keeps only the half-precision inputs for backward (no float32 copies outlive the call).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad32 = grad.float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad32 @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad32.reshape(-1, grad.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = grad32.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except that bf16/fp16 on a CPU without bf16 GEMM instructions runs in float32
+    (:func:`upcast_half_gemm_on_cpu`); the result has ``x``'s dtype either way."""
+    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and upcast_half_gemm_on_cpu():
+        return _UpcastLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` through :func:`linear`: the same parameters and state-dict names, a float32 GEMM for
+    half precision on CPUs without bf16 instructions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -30,9 +101,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

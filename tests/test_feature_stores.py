@@ -9,10 +9,13 @@ import re
 import weakref
 import zlib
 
+import crc32c
+
 import attrs
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from specforge_core.builtin import DiskStoreOptions, MemoryStoreOptions
 from specforge_core.contracts import FeatureSpec
@@ -367,12 +370,16 @@ def _rewrite_header(path, edit) -> None:
     (lambda h: h["hidden_states"].update(data_offsets=[4, 8196]), "its tensors leave a gap or overlap at byte 4"),
     (lambda h: h.update(__metadata__={"specforge.ref": 3}), "its __metadata__ is not a map of strings"),
     (lambda h: h.pop("__metadata__"), "its specforge metadata is missing or malformed"),
-    (lambda h: h.update(__metadata__={**h["__metadata__"], "specforge.crc32": "[]"}),
-     "its recorded crc32s are not a map"),
-    (lambda h: h["__metadata__"].pop("specforge.crc32"), r"its specforge metadata is missing or malformed \(KeyError"),
+    (lambda h: h.update(__metadata__={**h["__metadata__"], "specforge.checksums": "[]"}),
+     "its recorded crc32cs are not a map"),
+    (lambda h: h["__metadata__"].pop("specforge.checksums"),
+     r"its specforge metadata is missing or malformed \(KeyError"),
+    (lambda h: h["__metadata__"].update({"specforge.checksum": "sha3"}),
+     r"it records checksums of kind 'sha3', which this specforge does not know \(known: crc32, crc32c\); read it "
+     "with the release that wrote it, or turn verify_checksums off"),
     (lambda h: h.update(other=h.pop("hidden_states")), "it has no tensor 'hidden_states', which the ref lists"),
 ], ids=["dtype", "negative-dim", "no-offsets", "size-vs-shape", "gap", "metadata-type", "no-metadata", "crc-not-map",
-        "no-crc", "missing-tensor"])
+        "no-crc", "unknown-checksum-kind", "missing-tensor"])
 def test_disk_malformed_header_entries_are_corrupt_and_named(damaged, edit, why):
     store, victim, bystander, path = damaged
     _rewrite_header(path, edit)
@@ -423,19 +430,51 @@ def test_disk_flipped_data_byte_fails_the_checksum(damaged):
     _bystander_unharmed(store, bystander)
 
 
-def test_disk_records_the_plain_crc32_of_large_tensors_and_catches_a_flip_in_any_block(tmp_path):
+def test_disk_records_the_plain_crc32c_of_large_tensors_and_catches_a_flip_in_any_block(tmp_path):
     store = disk_store(tmp_path / "store", verify_checksums=True)
     big = torch.randint(0, 256, (9 * 2**20 + 3,), dtype=torch.uint8)  # three crc blocks, the last one short
     ref = store.put("big", {"hidden_states": big})
     path = sample_file(store, "big")
     with safe_open(str(path), framework="pt") as reader:
-        recorded = json.loads(reader.metadata()["specforge.crc32"])
-    assert recorded == {"hidden_states": zlib.crc32(big.numpy())}
+        metadata = reader.metadata()
+    assert metadata["specforge.checksum"] == "crc32c"
+    assert json.loads(metadata["specforge.checksums"]) == {"hidden_states": crc32c.crc32c(big.numpy().tobytes())}
+    assert "specforge.crc32" not in metadata
     data = bytearray(path.read_bytes())
     data[len(data) - 5 * 2**20] ^= 0x80  # inside the middle block
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32 check"):
+    with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32c check"):
         store.get(ref)
+
+
+def _write_pre_crc32c_file(store: DiskFeatureStore, sample_id: str, tensors: dict) -> tuple:
+    """A sample file exactly as the store wrote it before crc32c: zlib crc32s under
+    ``specforge.crc32``, no ``specforge.checksum``. Returns its ref and path."""
+    ref = store.put(sample_id, tensors)
+    path = sample_file(store, sample_id)
+    crcs = {name: zlib.crc32(tensor.numpy().tobytes()) for name, tensor in tensors.items()}
+    with safe_open(str(path), framework="pt") as reader:
+        recorded_ref = reader.metadata()["specforge.ref"]
+    save_file(tensors, str(path), metadata={"specforge.ref": recorded_ref,
+                                            "specforge.crc32": json.dumps(crcs),
+                                            "specforge.key": f"{ref.generation}:{sample_id!a}"})
+    return ref, path
+
+
+def test_disk_reads_and_verifies_files_written_with_zlib_crc32_before_crc32c(tmp_path):
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    tensors = {"hidden_states": torch.randn(64, 32), "input_ids": torch.arange(64)}
+    ref, path = _write_pre_crc32c_file(store, "old", tensors)
+    with safe_open(str(path), framework="pt") as reader:
+        assert set(reader.metadata()) == {"specforge.ref", "specforge.crc32", "specforge.key"}
+    assert_same_tensors(store.get(ref), tensors)
+    assert [r.sample_id for r in store.scan()] == ["old"]
+    data = bytearray(path.read_bytes())
+    data[-300] ^= 0x04  # a data byte; which tensor holds it depends on safetensors' layout
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r": feature '\w+' fails its crc32 check"):
+        store.get(ref)
+    assert path.exists()
 
 
 def test_disk_file_whose_shape_differs_from_the_ref_is_corrupt(damaged):

@@ -14,8 +14,11 @@ can name a path outside ``ROOT``.
 
 Each file's safetensors metadata holds the :class:`SampleRef` as it was put
 (``specforge.ref``), its generation and sample id as one short string that a get compares
-(``specforge.key``), and a crc32 of each tensor's bytes (``specforge.crc32``). A feature
-file is data, never code: nothing here unpickles.
+(``specforge.key``), and a checksum of each tensor's bytes: its kind in
+``specforge.checksum`` (``crc32c``) and the values in ``specforge.checksums``. Files written
+before crc32c have no ``specforge.checksum`` and zlib crc32s in ``specforge.crc32``; they
+are read and verified as they are. A feature file is data, never code: nothing here
+unpickles.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from safetensors.torch import save_file
 
 from ..contracts import SampleRef
 from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
-from ..checksums import crc32
+from ..checksums import CHECKSUM_KINDS, CRC32, DEFAULT_CHECKSUM, ChecksumKind, checksum
 from ..fileio import fsync_dir
 from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
@@ -49,7 +52,9 @@ _MANIFEST = "STORE.json"
 _FORMAT = "specforge-disk-store"
 _VERSION = 1
 _REF_KEY = "specforge.ref"
-_CRC_KEY = "specforge.crc32"
+_CHECKSUM_KEY = "specforge.checksum"  # the kind of checksums the file records ("crc32c")
+_CHECKSUMS_KEY = "specforge.checksums"  # {"name": checksum of the tensor's bytes}
+_LEGACY_CRC_KEY = "specforge.crc32"  # files written before crc32c: {"name": zlib crc32}
 _KEY_KEY = "specforge.key"  # "<generation>:<ascii() of the sample id>", the identity a get checks
 _unsafe_sub = re.compile(r"[^A-Za-z0-9_-]").sub
 _sha256 = hashlib.sha256
@@ -81,10 +86,11 @@ class DiskFeatureStore(BaseFeatureStore):
       the reader (SIGBUS), as with any memory map. ``scan`` reads headers only.
     - A file whose header or size is wrong (the header must cover the file's tensor bytes
       exactly, as safetensors requires), whose tensors differ from the ref's shapes and
-      dtypes, or whose bytes fail their crc32 raises :class:`CorruptFeatureError` naming
-      the file; a short or wrong tensor is never returned. The crc pass reads every byte
-      once more and costs most of a get's time (see ``bench/feature_stores.py``); it is off
-      by default (``verify_checksums``), the size and shape checks always run.
+      dtypes, or whose bytes fail their checksum raises :class:`CorruptFeatureError`
+      naming the file; a short or wrong tensor is never returned. The checksum pass
+      (``verify_checksums``, off by default; the size and shape checks always run) reads
+      every byte once more: with crc32c on the CPU's CRC instructions that pass is cheaper
+      than the copy that follows it (see ``bench/feature_stores.py``).
     - ``release`` deletes the file when ``consume_once``; deletions are not fsynced, since a
       file that a crash brings back costs disk space, never correctness (acks decide what
       was trained).
@@ -105,7 +111,7 @@ class DiskFeatureStore(BaseFeatureStore):
         self.root = os.path.abspath(root)
         self.uri = "disk://" + self.root
         self.fsync = options.fsync
-        self.verify_checksums = options.verify_checksums  # crc32 of each tensor on every get
+        self.verify_checksums = options.verify_checksums  # checksum of each tensor on every get
         _attach(self.root, options.token, fsync=self.fsync)
 
     # -- listing --------------------------------------------------------------------------
@@ -177,7 +183,7 @@ class DiskFeatureStore(BaseFeatureStore):
 
     def _store(self, draft: SampleRef, tensors: dict[str, torch.Tensor]) -> SampleRef:
         tensors = _unshared(tensors)
-        crcs = json.dumps({name: crc32(tensor) for name, tensor in tensors.items()})
+        crcs = json.dumps({name: checksum(tensor, DEFAULT_CHECKSUM) for name, tensor in tensors.items()})
         shard, stem = self._locate(draft.sample_id)
         tmp = os.path.join(shard, f".{stem}.{uuid.uuid4().hex[:12]}.tmp")
         try:
@@ -185,7 +191,8 @@ class DiskFeatureStore(BaseFeatureStore):
             while True:
                 generation = max(max(self._generations(draft.sample_id), default=-1) + 1, time.time_ns() // 1000)
                 ref = attrs.evolve(draft, generation=generation)
-                save_file(tensors, tmp, metadata={_REF_KEY: ref.to_json(), _CRC_KEY: crcs,
+                save_file(tensors, tmp, metadata={_REF_KEY: ref.to_json(), _CHECKSUM_KEY: DEFAULT_CHECKSUM.name,
+                                                  _CHECKSUMS_KEY: crcs,
                                                   _KEY_KEY: f"{generation}:{draft.sample_id!a}"})
                 if self.fsync:
                     fsync_dir(tmp)  # an fsync of the path; works for files too
@@ -254,11 +261,11 @@ class DiskFeatureStore(BaseFeatureStore):
                     tensor = tensor.view(shape)
             tensors[name] = tensor
         if self.verify_checksums:
-            crcs = _recorded_crcs(header)
+            kind, crcs = _recorded_crcs(header)
             for name, tensor in tensors.items():
-                actual = crc32(tensor)
+                actual = checksum(tensor, kind)
                 if actual != crcs.get(name):
-                    raise _corrupt(path, f"feature {name!r} fails its crc32 check (recorded {crcs.get(name)}, "
+                    raise _corrupt(path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
                                          f"read {actual}): its bytes changed after they were written")
         return tensors
 
@@ -431,14 +438,26 @@ def _check_stored_ref(header: _Header, ref: SampleRef) -> None:
         raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
 
 
-def _recorded_crcs(header: _Header) -> dict[str, int]:
+def _recorded_crcs(header: _Header) -> tuple[ChecksumKind, dict[str, int]]:
+    """The kind of checksum a file records and its value per tensor; files written before
+    the kind was recorded hold zlib crc32s under their own key."""
+    metadata = header.metadata
+    name = metadata.get(_CHECKSUM_KEY)
+    if name is None:
+        kind, key = CRC32, _LEGACY_CRC_KEY
+    elif name in CHECKSUM_KINDS:
+        kind, key = CHECKSUM_KINDS[name], _CHECKSUMS_KEY
+    else:
+        raise _corrupt(header.path, f"it records checksums of kind {name!r}, which this specforge does not know "
+                                    f"(known: {', '.join(sorted(CHECKSUM_KINDS))}); read it with the release that "
+                                    "wrote it, or turn verify_checksums off")
     try:
-        crcs = json.loads(header.metadata[_CRC_KEY])
+        crcs = json.loads(metadata[key])
     except (KeyError, ValueError) as exc:
         raise _corrupt(header.path, f"its specforge metadata is missing or malformed ({exc!r})") from None
     if not isinstance(crcs, dict):
-        raise _corrupt(header.path, "its recorded crc32s are not a map")
-    return crcs
+        raise _corrupt(header.path, f"its recorded {kind.name}s are not a map")
+    return kind, crcs
 
 
 #: record dtype name -> (torch dtype, bytes per element), for every dtype a header may name

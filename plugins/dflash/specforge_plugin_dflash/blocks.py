@@ -12,6 +12,10 @@ A sample of length S with ``loss_mask`` gives blocks like this (bs = block size)
 
 Queries are the N*bs block tokens; keys are the S context positions followed by the block
 tokens. Block b sees the context strictly before its anchor and its own block, both ways.
+Training attends in groups of blocks (:func:`grouped_block_attention`): anchors are sorted,
+so a group of neighbouring blocks needs only the context up to its last anchor and its own
+blocks' keys, and the dense ``[N*bs, S + N*bs]`` pattern (mostly masked out) is never
+computed.
 
 Randomness: each sample draws its anchors from its own generator seeded by
 ``(seed, step, sample_id)`` (:func:`anchor_generator`), so the anchors do not depend on
@@ -154,3 +158,47 @@ def block_attention_mask(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: 
     own_block = (block_of[:, None] == block_of[None, :]).expand(batch, queries, queries)  # [B, Q, Q]
     return torch.cat([context, own_block], dim=-1)
 
+
+
+@attrs.frozen
+class AttentionGroup:
+    """Block queries ``start:end`` (of the flattened ``N*bs``), which see context keys ``0:context``
+    and the keys of their own group's blocks; ``mask [B, 1, end-start, context + end-start]`` bool."""
+
+    start: int
+    end: int
+    context: int
+    mask: torch.Tensor
+
+
+@attrs.frozen
+class GroupedBlockAttention:
+    """The block attention pattern cut into groups of neighbouring blocks (see :func:`grouped_block_attention`).
+
+    Passed to :meth:`~specforge_plugin_dflash.model.DFlashBackbone.run_layers` in place of the
+    dense mask; built once per batch and shared by every layer.
+    """
+
+    seq_len: int  # S: the context keys precede the block keys
+    groups: tuple[AttentionGroup, ...]
+
+
+def grouped_block_attention(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: int, block_size: int,
+                            blocks_per_group: int) -> GroupedBlockAttention:
+    """:func:`block_attention_mask`'s pattern, in groups of ``blocks_per_group`` blocks.
+
+    Anchors are sorted per row, so group g (blocks ``g*n .. g*n+n-1``) sees no context key
+    at or after ``max(min(anchor, length))`` over its blocks and rows, and nothing of other
+    groups' blocks: attention over its keys only is the dense pattern's result (masked keys
+    weigh exactly 0) at about ``(S/2 + n*bs) / (S + N*bs)`` of its work. Costs one
+    device-to-host copy of the group bounds per batch.
+    """
+    visible = torch.minimum(anchors, lengths[:, None].to(anchors.dtype))  # [B, N]: context keys each block sees
+    starts = range(0, anchors.shape[1], blocks_per_group)
+    contexts = torch.stack([visible[:, b:b + blocks_per_group].max() for b in starts]).tolist()
+    groups = []
+    for first, context in zip(starts, contexts):
+        last = min(first + blocks_per_group, anchors.shape[1])
+        mask = block_attention_mask(anchors[:, first:last], lengths, context, block_size)[:, None]
+        groups.append(AttentionGroup(first * block_size, last * block_size, context, mask))
+    return GroupedBlockAttention(seq_len, tuple(groups))

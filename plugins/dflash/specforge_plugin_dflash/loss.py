@@ -7,7 +7,8 @@
 The logits of N blocks are ``[B, N, bs, V]``, which for a large vocabulary does not fit, so
 :func:`chunked_cross_entropy` asks a callable for a few blocks' logits at a time; under
 autograd each chunk is checkpointed (recomputed in backward), so only one chunk's logits
-exist at any moment, in forward and in backward.
+exist at any moment, in forward and in backward (a batch whose blocks fit one chunk is
+computed once, without the recomputation).
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ def reduce_chunks(chunk_fn: ChunkFn, num_blocks: int, chunk_blocks: int) -> tupl
     ``chunk_fn(start, end)`` returns ``(sums, *per_block)``: ``sums`` (any shape) is summed over
     the chunks, each ``per_block`` tensor ``[B, end-start, ...]`` is concatenated along dim 1.
     Under autograd each chunk is checkpointed (recomputed in backward), so only one chunk's
-    logits exist at a time; ``chunk_fn`` must then be deterministic.
+    logits exist at a time; ``chunk_fn`` must then be deterministic. A single chunk (all
+    blocks fit one) is not checkpointed: recomputing it would bound nothing, only cost time.
     """
     total: torch.Tensor | None = None
     pieces: list[list[torch.Tensor]] = []
+    recompute = torch.is_grad_enabled() and num_blocks > chunk_blocks
     for start in range(0, num_blocks, chunk_blocks):
         end = min(start + chunk_blocks, num_blocks)
-        if torch.is_grad_enabled():
+        if recompute:
             part, *per_block = checkpoint(chunk_fn, start, end, use_reentrant=False, preserve_rng_state=False)
         else:
             part, *per_block = chunk_fn(start, end)

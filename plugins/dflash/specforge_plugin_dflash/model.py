@@ -22,19 +22,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, linear, rope_cos_sin
 
+from .blocks import GroupedBlockAttention
 from .config import DFlashConfig
+
+#: What :meth:`DFlashBackbone.run_layers` takes as the attention pattern: the dense ``[B, Q, S+Q]`` bool
+#: mask, or the same pattern cut into groups of blocks (training).
+BlockPattern = torch.Tensor | GroupedBlockAttention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kernel: str) -> torch.Tensor:
     """Masked attention. q ``[B, h, Q, d]``, k/v ``[B, kv, K, d]``, mask ``[B, 1, Q, K]`` (True = attend).
 
     Every query row must see at least one key (the block mask always lets a block see itself).
-    K/V heads are repeated for GQA up front: SDPA's ``enable_gqa`` would push CUDA off the
-    memory-efficient kernel (the only fused one taking an arbitrary mask) onto the math one.
+    On CUDA, K/V heads are repeated for GQA up front: SDPA's ``enable_gqa`` would push it off
+    the memory-efficient kernel (the only fused one taking an arbitrary mask) onto the math
+    one. CPU's flash kernel takes GQA as it is, so there no repeated copies are made (or kept
+    for backward).
     """
     groups = q.shape[1] // k.shape[1]
+    if kernel == "sdpa" and q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     if kernel == "sdpa":
@@ -44,6 +53,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: GroupedBlockAttention,
+                   kernel: str) -> torch.Tensor:
+    """:func:`attend` over ``pattern``'s groups: each group's queries against its context prefix and its own
+    blocks' keys only. q ``[B, h, Q, d]``, k/v ``[B, kv, S+Q, d]`` (context keys first) -> ``[B, h, Q, d]``."""
+    s = pattern.seq_len
+    outputs = []
+    for group in pattern.groups:
+        keys = torch.cat([k[:, :, :group.context], k[:, :, s + group.start:s + group.end]], dim=2)
+        values = torch.cat([v[:, :, :group.context], v[:, :, s + group.start:s + group.end]], dim=2)
+        outputs.append(attend(q[:, :, group.start:group.end], keys, values, group.mask, kernel))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
 class DFlashAttention(nn.Module):
     """GQA attention whose keys/values are the context's followed by the block's own."""
 
@@ -51,23 +73,27 @@ class DFlashAttention(nn.Module):
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.head_dim = d
-        self.q_proj = nn.Linear(hidden, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * d, hidden, bias=False)
+        self.q_proj = Linear(hidden, config.num_heads * d, bias=False)
+        self.k_proj = Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(config.num_heads * d, hidden, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)  # per head
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kernel: str) -> torch.Tensor:
-        """x ``[B, Q, H]`` (normed block tokens), ctx ``[B, S, H]``, mask ``[B, Q, S+Q]`` -> ``[B, Q, H]``."""
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: BlockPattern, kernel: str) -> torch.Tensor:
+        """x ``[B, Q, H]`` (normed block tokens), ctx ``[B, S, H]``, mask ``[B, Q, S+Q]`` or grouped -> ``[B, Q, H]``."""
         batch, queries, _ = x.shape
         kv_input = torch.cat([ctx, x], dim=1)  # [B, S+Q, H]: [k_proj(ctx) ; k_proj(x)] in one matmul
         q = self.q_norm(self.q_proj(x).view(batch, queries, -1, self.head_dim))
         k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim))
         v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], kernel)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if isinstance(mask, GroupedBlockAttention):
+            out = attend_grouped(q, k, v, mask, kernel)
+        else:
+            out = attend(q, k, v, mask[:, None], kernel)
         return self.o_proj(out.transpose(1, 2).reshape(batch, queries, -1))
 
 
@@ -82,7 +108,7 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kernel: str) -> torch.Tensor:
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: BlockPattern, kernel: str) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, kernel)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -114,7 +140,7 @@ class DFlashBackbone(nn.Module):
         self.config = config
         self.attention = attention
         hidden = config.hidden_size
-        self.fc = nn.Linear(config.num_context_features * hidden, hidden, bias=False)
+        self.fc = Linear(config.num_context_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
@@ -139,12 +165,13 @@ class DFlashBackbone(nn.Module):
         return F.embedding(token_ids, self.embed_tokens).to(self.dtype)
 
     def run_layers(self, ctx: torch.Tensor, x: torch.Tensor, block_positions: torch.Tensor,
-                   attention_mask: torch.Tensor, context_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   attention_mask: BlockPattern, context_positions: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder stack and final norm.
 
         ctx ``[B, S, H]``; x ``[B, Q, H]`` block-token embeddings; block_positions ``[B, Q]``
         (``anchor + k``); attention_mask ``[B, Q, S+Q]`` bool (True = attend; see
-        :func:`~specforge_plugin_dflash.blocks.block_attention_mask`); context_positions
+        :func:`~specforge_plugin_dflash.blocks.block_attention_mask`) or the same pattern in
+        groups (:func:`~specforge_plugin_dflash.blocks.grouped_block_attention`); context_positions
         ``[B, S]`` (default ``0..S-1``). Returns ``[B, Q, H]``.
         """
         if context_positions is None:
@@ -157,11 +184,11 @@ class DFlashBackbone(nn.Module):
         return self.norm(x)
 
     def forward(self, target_hidden: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
-                attention_mask: torch.Tensor) -> torch.Tensor:
+                attention_mask: BlockPattern) -> torch.Tensor:
         """Final hidden states ``[B, Q, H]`` of ``block_ids [B, Q]`` given ``target_hidden [B, S, n*H]``."""
         return self.run_layers(self.context(target_hidden), self.embed(block_ids), block_positions, attention_mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Frozen target lm_head: ``[..., H]`` -> ``[..., V]``, in float32 (float64 for a float64 head)."""
-        logits = F.linear(hidden.to(self.lm_head.dtype), self.lm_head)
+        logits = linear(hidden.to(self.lm_head.dtype), self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()

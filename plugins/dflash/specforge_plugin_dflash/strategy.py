@@ -3,8 +3,8 @@
 forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
 
     blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
-    mask    = block_attention_mask(anchors, lengths)              [B, N*bs, S + N*bs]
-    hidden  = model(target_hidden, block ids, positions, mask)    [B, N*bs, H]
+    pattern = grouped_block_attention(anchors, lengths)           groups of blocks: context prefix + own blocks
+    hidden  = model(target_hidden, block ids, positions, pattern) [B, N*bs, H]
     Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)   w: decay, or D-PACE's (loss_type)
     loss    = Σw·CE / Σw                                               D-PACE: Σw·CE / batch size
 """
@@ -24,7 +24,7 @@ from specforge_core.protocols import BuildContext, CapturePlan, DataStats, Specu
 from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
 from . import DFlashOptions
-from .blocks import Blocks, block_attention_mask, build_blocks, draw_blocks, valid_anchor_mask
+from .blocks import Blocks, block_attention_mask, build_blocks, draw_blocks, grouped_block_attention, valid_anchor_mask
 from .config import DFlashConfig, mask_token_for_data
 from .export import export_dflash, load_dflash
 from .dpace import LossWeighting
@@ -149,8 +149,12 @@ class DFlashStrategy:
     def block_hidden(self, model: DFlashBackbone, batch: TrainBatch, blocks: Blocks) -> torch.Tensor:
         """Final draft hidden states of every block position: ``[B, N, bs, H]``."""
         batch_size, num_blocks, bs = blocks.ids.shape
-        mask = block_attention_mask(blocks.anchors, batch["lengths"], batch["input_ids"].shape[1], bs)
-        hidden = model(batch[HIDDEN_FEATURE], blocks.ids.flatten(1), blocks.positions.flatten(1), mask)
+        seq_len, group = batch["input_ids"].shape[1], self.options.attention_group_blocks
+        if group:
+            pattern = grouped_block_attention(blocks.anchors, batch["lengths"], seq_len, bs, group)
+        else:
+            pattern = block_attention_mask(blocks.anchors, batch["lengths"], seq_len, bs)
+        hidden = model(batch[HIDDEN_FEATURE], blocks.ids.flatten(1), blocks.positions.flatten(1), pattern)
         return hidden.view(batch_size, num_blocks, bs, -1)
 
     @property

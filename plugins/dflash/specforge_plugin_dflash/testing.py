@@ -85,3 +85,45 @@ def engine(tiny: Any) -> Any:
     from specforge_plugin_hf.engine import HFTargetEngine
 
     return HFTargetEngine(HFEngineOptions(model=str(tiny), dtype="float32", device="cpu"), BuildContext())
+
+
+def random_batch(strategy: Any, info: TargetInfo, lengths: tuple[int, ...] = (23, 9, 30), *, seed: int = 3,
+                 extra: dict[str, int] | None = None) -> Any:
+    """A collated batch of random samples of ``lengths`` for ``strategy`` over ``info`` (the first third of each
+    sample is an unsupervised prompt); ``extra`` names further floating features and their widths (DSpark's
+    ``last_hidden``)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = strategy.capture_plan(info).features["target_hidden"].shape[1]
+    samples = []
+    for length in lengths:
+        mask = torch.ones(length, dtype=torch.long)
+        mask[: length // 3] = 0
+        sample = {"input_ids": torch.randint(0, info.vocab_size - 1, (length,), generator=gen), "loss_mask": mask,
+                  "target_hidden": torch.randn(length, width, generator=gen)}
+        sample.update({name: torch.randn(length, size, generator=gen) for name, size in (extra or {}).items()})
+        samples.append(sample)
+    return strategy.collate(samples, [f"s{i}" for i in range(len(samples))])
+
+
+def grouped_vs_dense(strategy_class: type, options_class: type, dtype: str, *, group_blocks: int,
+                     extra: dict[str, int] | None = None, **options: Any) -> dict[str, float]:
+    """One training step's loss and gradients with the block attention in groups of ``group_blocks`` blocks
+    against the dense mask (``attention_group_blocks=0``), same weights and batch: ``{"loss", "loss_diff",
+    "grad_max", "grad_diff"}`` (the dense path's values, and the largest absolute differences)."""
+    import attrs
+
+    from specforge_core.contracts import StepContext
+
+    strategy, model = small_draft(strategy_class, options_class, dtype=dtype, num_anchors=5, **options)
+    batch = random_batch(strategy, random_target()[0], extra=extra)
+    results = []
+    for group in (0, group_blocks):
+        strategy.options = attrs.evolve(strategy.options, attention_group_blocks=group)
+        model.zero_grad(set_to_none=True)
+        loss = strategy.forward_loss(model, batch, StepContext(global_step=4, total_steps=10)).loss
+        loss.backward()
+        grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+        results.append((float(loss.detach()), grads))
+    (dense_loss, dense_grads), (loss, grads) = results
+    return {"loss": dense_loss, "loss_diff": abs(loss - dense_loss), "grad_max": float(dense_grads.abs().max()),
+            "grad_diff": float((grads - dense_grads).abs().max())}

@@ -51,6 +51,7 @@ def test_a_one_layer_target_has_no_servable_layer_and_is_refused():
     ({"target_layer_ids": [-1]}, "option 'strategy.target_layer_ids' must hold layer ids >= 0"),
     ({"loss_decay_gamma": 0}, "option 'strategy.loss_decay_gamma' must be > 0"),
     ({"attention": "flash"}, "option 'strategy.attention': expected one of sdpa, eager"),
+    ({"attention_group_blocks": -1}, "option 'strategy.attention_group_blocks' must be >= 0"),
     ({"num_anchor": 3}, "unknown option 'strategy.num_anchor'"),
 ])
 def test_bad_options_are_refused_with_a_message_naming_the_key(values, message):

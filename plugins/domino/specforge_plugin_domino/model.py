@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specforge_core.nn import Linear
 from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.model import DFlashBackbone
 
@@ -43,8 +44,8 @@ class DominoBackbone(DFlashBackbone):
         self.head_config = head  # checked against the block size where it was made (DominoHeadConfig.from_*)
         hidden, gru = config.hidden_size, head.gru_hidden_dim
         self.prefix_gru = nn.GRU(hidden, gru, num_layers=1, bias=False, batch_first=True)
-        self.embed_proj = nn.Sequential(nn.Linear(hidden + gru, head.emb_dim, bias=False), nn.SiLU(),
-                                        nn.Linear(head.emb_dim, config.vocab_size, bias=False))
+        self.embed_proj = nn.Sequential(Linear(hidden + gru, head.emb_dim, bias=False), nn.SiLU(),
+                                        Linear(head.emb_dim, config.vocab_size, bias=False))
         for layer in (self.embed_proj[0], self.embed_proj[2]):
             nn.init.normal_(layer.weight, std=init_std)
         self.prefix_gru.to(dtype)

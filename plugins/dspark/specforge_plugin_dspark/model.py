@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specforge_core.nn import Linear
 from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.model import DFlashBackbone
 
@@ -29,7 +30,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = Linear(rank, vocab_size, bias=False)
 
     def forward(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids ``[...]`` -> their embedding ``markov_w1(previous) [..., r]`` and the logit bias
@@ -44,7 +45,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, inputs: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(inputs, 1, bias=True)
+        self.proj = Linear(inputs, 1, bias=True)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., inputs]`` -> confidence logits ``[...]`` (float32; sigmoid gives the probability)."""

@@ -18,6 +18,8 @@ from typing import Mapping
 
 import torch
 
+from specforge_core.nn import linear
+
 from .model import Eagle3Draft, shift_left
 
 
@@ -88,7 +90,7 @@ def teacher(model: Eagle3Draft, last_hidden: torch.Tensor,
     if model.target_lm_head is None:
         raise ValueError("this draft was built without the target lm_head (the teacher); pass frozen_parts['lm_head']")
     head = model.target_lm_head
-    logits = torch.matmul(last_hidden.to(head.dtype), head.t())  # [B, S, V]
+    logits = linear(last_hidden.to(head.dtype), head)  # [B, S, V]
     target_ids = logits.argmax(-1)
     if model.config.draft_vocab_size < model.config.vocab_size:
         logits = logits.index_select(-1, model.draft_to_target_index())  # [B, S, Vd]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 
 @attrs.frozen(kw_only=True)
@@ -101,8 +101,10 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
                   diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Attention over step-0 keys (masked by ``mask0``) plus one diagonal key per extra step.
 
-    q [B, nh, S, d]; k0, v0 [B, nkv, T, d]; mask0 [B|1, 1, S, T] bool (True = visible) or
-    None (all visible); diag: (k, v) pairs [B, nkv, S, d] — query t sees entry t only, so
+    q [B, nh, S, d]; k0, v0 [B, nkv, T, d]; mask0 [B|1, 1, S, T]: bool (True = visible), a
+    float32 additive bias (0 = visible; :func:`additive_mask`, built once per batch and added
+    in place, one pass over the scores instead of a masked copy per unroll step), or None
+    (all visible); diag: (k, v) pairs [B, nkv, S, d] — query t sees entry t only, so
     its score is a row-wise dot product instead of an S x S block that would be all masked
     but its diagonal. Equivalent to dense attention over ``[k0; k1; ...; kk]`` with the mask
     of :func:`ttt_key_mask`. Returns [B, nh, S, d].
@@ -110,8 +112,10 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     groups = q.shape[1] // k0.shape[1]
     q = q * q.shape[-1] ** -0.5  # scale the queries, not the S x T scores
     scores = torch.matmul(q, repeat_kv(k0, groups).transpose(2, 3)).float()  # [B, nh, S, T]
-    if mask0 is not None:
+    if mask0 is not None and mask0.dtype == torch.bool:
         scores = scores.masked_fill(~mask0, torch.finfo(scores.dtype).min)
+    elif mask0 is not None:
+        scores += mask0  # the matmul's own output (autograd keeps its inputs, not it)
     extra = [(q * repeat_kv(k, groups)).sum(-1, keepdim=True).float() for k, _ in diag]  # [B, nh, S, 1]
     probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1).to(q.dtype)
     t = k0.shape[2]
@@ -119,6 +123,13 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     for j, (_, v) in enumerate(diag):
         out = out + probs[..., t + j, None] * repeat_kv(v, groups)
     return out
+
+
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """A bool mask (True = visible) as the float32 bias :func:`ttt_attention` adds to its scores: 0 where
+    visible, the float32 minimum elsewhere (a visible score plus it is -inf or below every visible one)."""
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+    return bias.masked_fill_(~visible, torch.finfo(torch.float32).min)
 
 
 def ttt_key_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
@@ -143,10 +154,10 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
                 mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
@@ -206,10 +217,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
         self.register_buffer("target_lm_head", None if target_lm_head is None else target_lm_head.detach(),
                              persistent=False)
-        self.fc = nn.Linear(3 * big_h, config.hidden_size, bias=False)
+        self.fc = Linear(3 * big_h, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(v, dtype=torch.bool) if config.draft_vocab_size == v
                              else torch.zeros(v, dtype=torch.bool))
@@ -260,7 +271,7 @@ class Eagle3Draft(nn.Module):
         """
         s = input_ids.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
-        mask0 = (causal[None] & attention_mask.bool()[:, None, :])[:, None]  # [B, 1, S, S]
+        mask0 = additive_mask((causal[None] & attention_mask.bool()[:, None, :])[:, None])  # [B, 1, S, S], once
         positions = torch.arange(s, device=input_ids.device)
         hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # h_0 [B, S, h]
         kv = DraftKV()

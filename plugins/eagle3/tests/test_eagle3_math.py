@@ -14,7 +14,7 @@ from specforge_plugin_eagle3 import Eagle3Options
 from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
 from specforge_core.nn import apply_rope
-from specforge_plugin_eagle3.model import repeat_kv, shift_left, ttt_attention, ttt_key_mask
+from specforge_plugin_eagle3.model import additive_mask, repeat_kv, shift_left, ttt_attention, ttt_key_mask
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
 
@@ -84,6 +84,25 @@ def dense_attention(q, keys, values, mask):
     scores = q @ repeat_kv(keys, groups).transpose(2, 3) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     return torch.softmax(scores, -1) @ repeat_kv(values, groups)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_attention_with_the_additive_bias_built_once_equals_the_boolean_mask_in_output_and_gradients(dtype, tol):
+    gen = torch.Generator().manual_seed(1)
+    b, nh, nkv, s, d = 2, 4, 2, 7, 8
+    attention_mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    mask0 = ttt_key_mask(attention_mask, 0)[:, None]
+    bias = additive_mask(mask0)
+    assert bias.dtype == torch.float32 and set(bias.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+    tensors = [torch.randn(b, n, s, d, generator=gen).to(dtype) for n in (nh, nkv, nkv, nkv, nkv)]
+    results = []
+    for mask in (mask0, bias):
+        q, k0, v0, k1, v1 = (t.clone().requires_grad_() for t in tensors)
+        out = ttt_attention(q, k0, v0, mask, [(k1, v1)])
+        (out.float() * torch.linspace(-1, 1, d)).sum().backward()
+        results.append([out.detach().float(), *(t.grad.float() for t in (q, k0, v0, k1, v1))])
+    for got, want in zip(results[1], results[0]):
+        assert (got - want).abs().max() <= tol * want.abs().max()
 
 
 def test_compact_attention_equals_dense_attention_under_the_pinned_mask():

@@ -1,0 +1,407 @@
+"""Each strategy's train step against a plain textbook reference of the same step, at equal shapes.
+
+The reference is the algorithm as ALGORITHMS.md writes it, with the same weights and
+batch: dense boolean masks (EAGLE3: an S x S causal mask filled into the scores at every
+unroll step, plus the diagonal keys; the DFlash family: one ``[N*bs, S + N*bs]`` mask for
+SDPA over ``[context ; blocks]``), full-vocabulary logits materialised at once, a full
+``log_softmax`` in the loss and the per-step metrics over whole distributions. The path
+under test is the strategy's own ``forward_loss``. Both run backward and an AdamW step.
+
+The two paths run in two worker processes (one torch thread each) that step in turn,
+alternating which goes first, so load from other processes hits both alike; each pair
+gives a ratio ``reference seconds / ours`` (> 1: ours is faster). One JSON line per
+strategy and dtype:
+
+    tokens_per_s_ours / _reference   B*S tokens per second, medians over the pairs
+    ratio, ratio_p25, ratio_p75      median and quartiles of the per-pair ratios
+    peak_mb_ours / _reference        resident memory above each worker's baseline (the
+                                     model, batch and optimizer state after a first step)
+    kernels                          what each path runs on CPU, and would run on CUDA
+    load_before / load_after         the machine's 1-minute load average
+
+    python bench/versus_reference.py                                # every strategy, fp32 and bf16
+    python bench/versus_reference.py --strategies eagle3 --dtypes float32 --pairs 9
+
+Shapes (defaults): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash family H 128,
+2 layers, block 16, 16 anchors, S 512, B 4, V 1024 (bench/dflash_step.py's ``tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+STRATEGIES = ("eagle3", "dflash", "domino", "dspark")
+
+#: What each path executes, per strategy: {path: {"cpu": ..., "cuda": ...}}.
+_HALF = ("; bfloat16 linears as float32 GEMMs of upcast operands (this CPU has no bf16 GEMM instructions: "
+         "specforge_core.nn.linear)")
+KERNELS = {
+    "linears": {"ours": {"cpu": "float32: MKL sgemm" + _HALF, "cuda": "cuBLAS, native bf16 tensor cores"},
+                "reference": {"cpu": "torch's own kernels in the step's dtype (bf16 GEMM without bf16 instructions)",
+                              "cuda": "cuBLAS, native bf16"},
+                "heads": "Domino's GRU/correction and DSpark's Markov/confidence heads are the model's modules in "
+                         "both paths"},
+    "eagle3": {
+        "ours_attention": {"cpu": "step-0 scores by matmul plus an additive causal/padding bias built once per "
+                                  "batch, diagonal keys as row-wise dot products",
+                           "cuda": "the same ops (cuBLAS matmuls, one fused bias add per step)"},
+        "ours_loss": {"cpu": "hand-written soft cross-entropy: logsumexp per position, no log_softmax kept; "
+                             "argmax metrics only",
+                      "cuda": "the same"},
+        "reference_attention": {"cpu": "matmul scores, masked_fill with the dense S x S mask every step",
+                                "cuda": "the same"},
+        "reference_loss": {"cpu": "full log_softmax per step, materialised", "cuda": "the same"},
+    },
+    "dflash_family": {
+        "ours_attention": {"cpu": "SDPA (flash attention for CPU, native GQA: no repeated K/V) per group of 4 "
+                                  "blocks over the context up to the group's last anchor plus the group's blocks",
+                           "cuda": "SDPA memory-efficient kernel per group (boolean mask)"},
+        "ours_loss": {"cpu": "cross-entropy over chunks of 16 blocks, each checkpointed (logits recomputed in "
+                             "backward) unless all blocks fit one chunk", "cuda": "the same"},
+        "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask, K/V "
+                                       "heads repeated for GQA",
+                                "cuda": "SDPA memory-efficient kernel with the dense mask"},
+        "reference_loss": {"cpu": "cross-entropy over all blocks' logits at once", "cuda": "the same"},
+    },
+}
+
+
+# -- building the same model and batch in each worker ------------------------------------------------------------
+
+
+def build(name: str, dtype_name: str, args: argparse.Namespace):
+    """``(strategy, model, batch, tokens)`` for ``name``, seeded: both workers build identical ones."""
+    import torch
+
+    from specforge_core.protocols import BuildContext, DataStats, TargetInfo
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    if name == "eagle3":
+        from specforge_plugin_eagle3 import Eagle3Options
+        from specforge_plugin_eagle3.strategy import Eagle3Strategy
+
+        hidden, vocab = 256, 4096
+        target = TargetInfo(num_layers=16, hidden_size=hidden, vocab_size=vocab, dtype=dtype_name, model_id="random",
+                            extra={"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                                   "intermediate_size": 768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                                   "max_position_embeddings": 32768})
+        strategy = Eagle3Strategy(Eagle3Options(ttt_length=args.ttt_length, draft_vocab_size=vocab,
+                                                dtype=dtype_name))
+        frozen = {"embed_tokens": torch.randn(vocab, hidden, generator=gen).to(dtype),
+                  "lm_head": (torch.randn(vocab, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)}
+        model = strategy.build_model(target, frozen, DataStats(token_counts=torch.randint(0, 1000, (vocab,),
+                                                                                         generator=gen)))
+        batch_size, seq = 2, 512
+        samples = [{"input_ids": torch.randint(0, vocab, (seq,), generator=gen),
+                    "loss_mask": (torch.arange(seq) >= seq // 10).long(),
+                    "aux_hidden": torch.randn(seq, 3 * hidden, generator=gen).to(dtype),
+                    "last_hidden": torch.randn(seq, hidden, generator=gen).to(dtype)} for _ in range(batch_size)]
+    else:
+        strategy_class, options_class, extra = _dflash_family(name)
+        hidden, vocab, batch_size, seq = 128, 1024, 4, 512
+        target = TargetInfo(num_layers=8, hidden_size=hidden, vocab_size=vocab, dtype=dtype_name, model_id="random",
+                            extra={"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                                   "intermediate_size": 384, "max_position_embeddings": 32768, "rope_theta": 1e6,
+                                   "mask_token_id": vocab - 1})
+        frozen = {part: (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype)
+                  for part in ("embed_tokens", "lm_head")}
+        strategy = strategy_class(options_class(num_layers=2, block_size=16, num_anchors=16, dtype=dtype_name,
+                                                **extra), BuildContext())
+        model = strategy.build_model(target, frozen, DataStats())
+        width = strategy.capture_plan(target).features["target_hidden"].shape[1]
+        samples = []
+        for _ in range(batch_size):
+            sample = {"input_ids": torch.randint(0, vocab - 1, (seq,), generator=gen),
+                      "loss_mask": (torch.arange(seq) >= seq // 10).long(),
+                      "target_hidden": torch.randn(seq, width, generator=gen).to(dtype)}
+            if name == "dspark":
+                sample["last_hidden"] = torch.randn(seq, hidden, generator=gen).to(dtype)
+            samples.append(sample)
+    batch = strategy.collate(samples, [f"s{i}" for i in range(len(samples))])
+    return strategy, model, batch, batch_size * seq
+
+
+def _dflash_family(name: str) -> tuple[type, type, dict]:
+    if name == "dflash":
+        from specforge_plugin_dflash import DFlashOptions
+        from specforge_plugin_dflash.strategy import DFlashStrategy
+
+        return DFlashStrategy, DFlashOptions, {"loss_decay_gamma": 7.0}
+    if name == "domino":
+        from specforge_plugin_domino import DominoOptions
+        from specforge_plugin_domino.strategy import DominoStrategy
+
+        return DominoStrategy, DominoOptions, {"loss_decay_gamma": 7.0}
+    from specforge_plugin_dspark import DSparkOptions
+    from specforge_plugin_dspark.strategy import DSparkStrategy
+
+    return DSparkStrategy, DSparkOptions, {"loss_decay_gamma": 7.0}
+
+
+# -- the textbook references ---------------------------------------------------------------------------------------
+
+
+def _linear(module, x):
+    """A linear layer as torch runs it (the reference does not take the draft's CPU half-precision route)."""
+    import torch.nn.functional as F
+
+    return F.linear(x, module.weight, module.bias)
+
+
+def _mlp(mlp, x):
+    import torch.nn.functional as F
+
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+
+
+def eagle3_reference_loss(strategy, model, batch):
+    """ALGORITHMS.md § EAGLE3 written out: per step a dense causal mask filled into the S x S scores, the
+    diagonal keys of earlier steps, a full log_softmax loss and full-distribution metrics."""
+    import torch
+    import torch.nn.functional as F
+
+    from specforge_core.nn import apply_rope, rope_cos_sin
+    from specforge_plugin_eagle3.model import repeat_kv, shift_left
+
+    input_ids, loss_mask, attention_mask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    ids, last_hidden = shift_left(input_ids), shift_left(batch["last_hidden"])
+    loss_mask = loss_mask * shift_left(attention_mask)
+    with torch.no_grad():  # the teacher
+        target_logits = last_hidden.to(model.target_lm_head.dtype) @ model.target_lm_head.t()
+        target_ids = target_logits.argmax(-1)
+        p_t = torch.softmax(target_logits.index_select(-1, model.draft_to_target_index()).float(), -1)
+        position_mask = (model.t2d[target_ids] & loss_mask.bool()).float()
+    b, s = ids.shape
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None] & attention_mask.bool()[:, None, :]  # [B, S, S]
+    layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
+    groups = c.num_attention_heads // c.num_key_value_heads
+    hidden = _linear(model.fc, batch["aux_hidden"].to(model.fc.weight.dtype))
+    k0 = v0 = None
+    diag: list[tuple[Any, Any]] = []
+    loss, correct = 0.0, []
+    for k in range(strategy.options.ttt_length):
+        cos, sin = rope_cos_sin(torch.arange(s) + k, c.head_dim, c.rope_theta)
+        x = torch.cat([layer.input_layernorm(model.embed(ids)), layer.hidden_norm(hidden)], -1)
+        q = apply_rope(_linear(attn.q_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
+        key = apply_rope(_linear(attn.k_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
+        value = _linear(attn.v_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2)
+        if k == 0:
+            k0, v0 = key, value
+        else:
+            diag.append((key, value))
+        scores = (q @ repeat_kv(k0, groups).transpose(2, 3)) / math.sqrt(c.head_dim)  # [B, nh, S, S]
+        scores = scores.masked_fill(~causal[:, None], torch.finfo(scores.dtype).min)
+        extra = [(q * repeat_kv(dk, groups)).sum(-1, keepdim=True) / math.sqrt(c.head_dim) for dk, _ in diag]
+        probs = torch.softmax(torch.cat([scores, *extra], -1).float(), -1).to(q.dtype)
+        out = probs[..., :s] @ repeat_kv(v0, groups)
+        for j, (_, dv) in enumerate(diag):
+            out = out + probs[..., s + j, None] * repeat_kv(dv, groups)
+        hidden = hidden + _linear(attn.o_proj, out.transpose(1, 2).reshape(b, s, -1))
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        logits = _linear(model.lm_head, model.norm(hidden)).float()
+        log_probs = F.log_softmax(logits, -1)  # [B, S, Vd], materialised
+        loss = loss + 0.8 ** k * -(p_t * log_probs * position_mask[..., None]).sum() / (b * s)
+        with torch.no_grad():  # the step's accuracy, over the full distributions
+            correct.append(((log_probs.argmax(-1) == p_t.argmax(-1)) * position_mask).sum())
+        ids, p_t, position_mask = shift_left(ids), shift_left(p_t), shift_left(position_mask)
+    return loss
+
+
+def _dense_backbone(model, batch, blocks):
+    """The DFlash backbone as ALGORITHMS.md writes it: every layer attends over [context ; all blocks] with the
+    dense block mask."""
+    import torch
+    import torch.nn.functional as F
+
+    from specforge_core.nn import apply_rope, rope_cos_sin
+    from specforge_plugin_dflash.blocks import block_attention_mask
+
+    b, n, bs = blocks.ids.shape
+    seq = batch["input_ids"].shape[1]
+    mask = block_attention_mask(blocks.anchors, batch["lengths"], seq, bs)[:, None]  # [B, 1, Q, S+Q]
+    ctx = model.hidden_norm(_linear(model.fc, batch["target_hidden"].to(model.dtype)))
+    x = model.embed(blocks.ids.flatten(1))
+    positions = blocks.positions.flatten(1)
+    c = model.config
+    rope_q = [t[:, :, None] for t in rope_cos_sin(positions, c.head_dim, c.rope_theta)]
+    rope_k = [t[:, :, None] for t in rope_cos_sin(torch.cat([torch.arange(seq).expand(b, -1), positions], 1),
+                                                 c.head_dim, c.rope_theta)]
+    for layer in model.layers:
+        attn, h = layer.self_attn, layer.input_layernorm(x)
+        kv = torch.cat([ctx, h], 1)
+        q = apply_rope(attn.q_norm(_linear(attn.q_proj, h).view(b, h.shape[1], -1, c.head_dim)), *rope_q)
+        k = apply_rope(attn.k_norm(_linear(attn.k_proj, kv).view(b, kv.shape[1], -1, c.head_dim)), *rope_k)
+        v = _linear(attn.v_proj, kv).view(b, kv.shape[1], -1, c.head_dim).transpose(1, 2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        groups = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                             attn_mask=mask)
+        x = x + _linear(attn.o_proj, out.transpose(1, 2).reshape(b, h.shape[1], -1))
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    return model.norm(x).view(b, n, bs, -1)
+
+
+def dflash_family_reference_loss(name: str, strategy, model, batch, step: int):
+    """DFlash / Domino / DSpark written out: the dense backbone, all blocks' logits at once, full cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    from specforge_core.contracts import StepContext
+
+    ctx = StepContext(global_step=step, total_steps=1000)
+    shift = {"dflash": 0, "domino": getattr(getattr(model, "head_config", None), "label_shift", 0), "dspark": 1}[name]
+    blocks = strategy.draw_blocks(model, batch, ctx, label_shift=shift)
+    hidden = _dense_backbone(model, batch, blocks)  # [B, N, bs, H]
+    w, labels = blocks.weights, blocks.labels
+    base = F.linear(hidden.to(model.lm_head.dtype), model.lm_head).float()  # [B, N, bs, V], all at once
+
+    def ce(logits):
+        return F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+
+    if name == "dflash":
+        loss = (w * ce(base)).sum() / w.sum()
+    elif name == "domino":
+        final = model.final_logits(base, hidden, model.block_states(blocks.tokens))
+        lam = strategy.base_loss_weight(ctx)
+        loss = ((1 - lam) * (w * ce(final)).sum() + lam * (w * ce(base)).sum()) / w.sum()
+    else:
+        from specforge_plugin_dspark.strategy import gather_positions
+
+        embedding, bias = model.markov_head(blocks.tokens)
+        logits = base + bias
+        with torch.no_grad():
+            teacher = torch.softmax(model.logits(gather_positions(batch["last_hidden"], blocks.positions)), -1)
+        l1 = (torch.softmax(logits, -1) - teacher).abs().sum(-1)
+        accept = (1 - l1.detach() / 2).clamp(0, 1)
+        bce = F.binary_cross_entropy_with_logits(model.confidence(hidden, blocks.tokens, embedding), accept,
+                                                 reduction="none")
+        o = strategy.options
+        loss = (w * (o.ce_loss_alpha * ce(logits) + o.l1_loss_alpha * l1 + o.confidence_loss_alpha * bce)).sum() \
+            / w.sum()
+    with torch.no_grad():
+        float(((base.argmax(-1) == labels) & blocks.label_mask).sum())  # the accuracy metric
+    return loss
+
+
+# -- the worker processes ------------------------------------------------------------------------------------------
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace) -> None:
+    """Build, take one untimed step, then step whenever the parent asks; report the peak memory at the end."""
+    import torch
+
+    from specforge_core.contracts import StepContext
+
+    torch.set_num_threads(1)
+    strategy, model, batch, tokens = build(name, dtype_name, args)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if path == "ours":
+        def loss_of(step: int):
+            return strategy.forward_loss(model, batch, StepContext(global_step=step, total_steps=1000)).loss
+    elif name == "eagle3":
+        def loss_of(step: int):
+            return eagle3_reference_loss(strategy, model, batch)
+    else:
+        def loss_of(step: int):
+            return dflash_family_reference_loss(name, strategy, model, batch, step)
+
+    def step(index: int) -> float:
+        start = time.perf_counter()
+        loss = loss_of(index)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    step(0)
+    _trim_heap()
+    with open("/proc/self/clear_refs", "w") as fh:  # restart the resident-memory high-water mark here
+        fh.write("5")
+    baseline = _rss_kb("VmRSS")
+    conn.send(("ready", tokens))
+    index = 1
+    while conn.recv() == "step":
+        conn.send(step(index))
+        index += 1
+    conn.send((_rss_kb("VmHWM") - baseline) / 1024)
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system, so the baseline is what the step keeps, not what it left."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
+    spawn = multiprocessing.get_context("spawn")
+    paths = ("ours", "reference")
+    pipes, procs = {}, []
+    for path in paths:
+        parent, child = spawn.Pipe()
+        proc = spawn.Process(target=worker, args=(child, name, dtype_name, path, args), daemon=True)
+        proc.start()
+        pipes[path] = parent
+        procs.append(proc)
+    tokens = [pipes[path].recv()[1] for path in paths][0]
+    load_before = os.getloadavg()[0]
+    seconds: dict[str, list[float]] = {path: [] for path in paths}
+    for pair in range(args.pairs):
+        for path in (paths if pair % 2 == 0 else paths[::-1]):
+            pipes[path].send("step")
+            seconds[path].append(pipes[path].recv())
+    peaks = {}
+    for path in paths:
+        pipes[path].send("stop")
+        peaks[path] = pipes[path].recv()
+    for proc in procs:
+        proc.join(timeout=60)
+    ratios = sorted(r / o for o, r in zip(seconds["ours"], seconds["reference"]))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    ours, ref = statistics.median(seconds["ours"]), statistics.median(seconds["reference"])
+    family = "eagle3" if name == "eagle3" else "dflash_family"
+    return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "threads": 1, "pairs": args.pairs,
+            "tokens_per_step": tokens, "tokens_per_s_ours": tokens / ours, "tokens_per_s_reference": tokens / ref,
+            "ratio": statistics.median(ratios), "ratio_p25": quartiles[0], "ratio_p75": quartiles[2],
+            "ratio_min": ratios[0], "ratio_max": ratios[-1],
+            "peak_mb_ours": peaks["ours"], "peak_mb_reference": peaks["reference"],
+            "kernels": {**KERNELS[family], "linears": KERNELS["linears"]}, "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma separated (default: all)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma separated (default: float32,bfloat16)")
+    parser.add_argument("--pairs", type=int, default=7, help="timed step pairs per comparison (default 7)")
+    parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE3 unroll steps (default 7)")
+    args = parser.parse_args()
+    for name in args.strategies.split(","):
+        if name not in STRATEGIES:
+            sys.exit(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        for dtype_name in args.dtypes.split(","):
+            record = compare(name, dtype_name, args)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

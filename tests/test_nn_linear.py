@@ -1,0 +1,68 @@
+"""specforge_core.nn.linear: half precision on CPUs without bf16 GEMM instructions runs as float32 GEMMs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specforge_core import nn as sf_nn
+from specforge_core.nn import Linear, linear, upcast_half_gemm_on_cpu
+
+
+@pytest.fixture
+def half_gemm(monkeypatch):
+    """Set SPECFORGE_CPU_HALF_GEMM for one test (the choice is cached per process)."""
+    def choose(value):
+        monkeypatch.setenv(sf_nn.HALF_GEMM_ENV, value)
+        upcast_half_gemm_on_cpu.cache_clear()
+    yield choose
+    upcast_half_gemm_on_cpu.cache_clear()
+
+
+def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_gemm):
+    half_gemm("fp32")
+    assert upcast_half_gemm_on_cpu() is True
+    half_gemm("native")
+    assert upcast_half_gemm_on_cpu() is False
+    half_gemm("")
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:
+        flags = set(next(line for line in fh if line.startswith("flags")).split())
+    assert upcast_half_gemm_on_cpu() is not bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_linear_matches_float64_to_half_precision_rounding_in_output_and_gradients(half_gemm, dtype):
+    half_gemm("fp32")
+    gen = torch.Generator().manual_seed(0)
+    x64 = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64)
+    w64, b64 = torch.randn(8, 16, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)
+    x, w, b = (t.to(dtype).requires_grad_() for t in (x64, w64, b64))
+    ref = [t.to(dtype).double().requires_grad_() for t in (x64, w64, b64)]
+    out = linear(x, w, b)
+    want = F.linear(*ref)
+    assert out.dtype == dtype and out.grad_fn is not None and "UpcastLinear" in type(out.grad_fn).__name__
+    eps = torch.finfo(dtype).eps
+    assert (out.double() - want).abs().max() <= eps * want.abs().max()
+    upstream = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64)
+    (out.double() * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for got, grad in zip((x.grad, w.grad, b.grad), (ref[0].grad, ref[1].grad, ref[2].grad)):
+        assert got.dtype == dtype
+        assert (got.double() - grad).abs().max() <= 2 * eps * grad.abs().max()
+
+
+def test_float32_and_the_native_choice_keep_torchs_own_kernel(half_gemm):
+    half_gemm("fp32")
+    x, w = torch.randn(4, 6, requires_grad=True), torch.randn(3, 6)
+    assert "UpcastLinear" not in type(linear(x, w).grad_fn).__name__  # float32: F.linear itself
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    half_gemm("native")
+    xb = x.detach().bfloat16().requires_grad_()
+    assert "UpcastLinear" not in type(linear(xb, w.bfloat16()).grad_fn).__name__
+
+
+def test_the_linear_module_keeps_nn_linear_parameters_and_state_dict_names():
+    layer = Linear(6, 3, bias=False)
+    assert isinstance(layer, torch.nn.Linear)
+    assert list(layer.state_dict()) == ["weight"]
+    x = torch.randn(2, 6)
+    assert torch.equal(layer(x), x @ layer.weight.t())
