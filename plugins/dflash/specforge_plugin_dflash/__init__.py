@@ -97,9 +97,12 @@ class DFlashOptions:
     attention: str = option("sdpa", "Attention kernel (both take an explicit block mask).",
                             choices=("sdpa", "eager"))
     attention_group_blocks: int = option(
-        4, "Training attends in groups of this many neighbouring blocks: each group sees only the context up "
-           "to its last anchor and its own blocks, not the whole [blocks*block_size, S + blocks*block_size] "
-           "pattern (same result, less work). 0 = one dense mask over all blocks.", check=non_negative)
+        4, "Training attends in groups of at least this many neighbouring blocks: each group sees only the "
+           "context up to its last anchor and its own blocks, not the whole [blocks*block_size, S + "
+           "blocks*block_size] pattern (same result, less work). Groups grow so that there are at most 4 "
+           "(each holds its own copy of the context's keys and values: more groups would cost more memory "
+           "than the dense mask saves at the recipes' 512 anchors). 0 = one dense mask over all blocks.",
+        check=non_negative)
     dtype: str = option("float32", "Dtype of the trainable draft weights (bfloat16 trains with fp32 master "
                                    "weights in the optimizer).", choices=("float32", "bfloat16"))
     init_std: float = option(0.02, "Standard deviation of the initial draft weights.", check=positive)

@@ -55,6 +55,9 @@ def collate_features(samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: 
     return TrainBatch(tensors={**tensors, "lengths": lengths}, sample_ids=sample_ids, num_tokens=int(lengths.sum()))
 
 
+#: At most this many attention groups per batch row (see the ``attention_group_blocks`` option).
+MAX_ATTENTION_GROUPS = 4
+
 def _max_across_ranks(value: int, device: torch.device) -> int:
     """The largest ``value`` of the process group (``value`` itself outside one)."""
     import torch.distributed as dist
@@ -151,6 +154,7 @@ class DFlashStrategy:
         batch_size, num_blocks, bs = blocks.ids.shape
         seq_len, group = batch["input_ids"].shape[1], self.options.attention_group_blocks
         if group:
+            group = max(group, -(-num_blocks // MAX_ATTENTION_GROUPS))  # bounded copies of the context's K/V
             pattern = grouped_block_attention(blocks.anchors, batch["lengths"], seq_len, bs, group)
         else:
             pattern = block_attention_mask(blocks.anchors, batch["lengths"], seq_len, bs)
