@@ -18,9 +18,13 @@ strategy and dtype:
                                      model, batch and optimizer state after a first step)
     kernels                          what each path runs on CPU, and would run on CUDA
     load_before / load_after         the machine's 1-minute load average
+    ours / reference                 eager or compiled (``--compile``); textbook or ours eager
+                                     (``--reference eager``)
+    first_step_s_ours / _reference   the untimed first step (with ``--compile``: the compile time)
 
     python bench/versus_reference.py                                # every strategy, fp32 and bf16
     python bench/versus_reference.py --strategies eagle3 --dtypes float32 --pairs 9
+    python bench/versus_reference.py --compile --reference eager    # what strategy.compile changes
 
 Shapes (defaults): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash family H 128,
 2 layers, block 16, 16 anchors, S 512, B 4, V 1024 (bench/dflash_step.py's ``tiny``).
@@ -78,8 +82,9 @@ KERNELS = {
 # -- building the same model and batch in each worker ------------------------------------------------------------
 
 
-def build(name: str, dtype_name: str, args: argparse.Namespace):
-    """``(strategy, model, batch, tokens)`` for ``name``, seeded: both workers build identical ones."""
+def build(name: str, dtype_name: str, args: argparse.Namespace, compile: bool = False):
+    """``(strategy, model, batch, tokens)`` for ``name``, seeded: both workers build identical ones
+    (``compile``: the strategy's ``compile`` option, its layers under torch.compile)."""
     import torch
 
     from specforge_core.protocols import BuildContext, DataStats, TargetInfo
@@ -97,7 +102,7 @@ def build(name: str, dtype_name: str, args: argparse.Namespace):
                                    "intermediate_size": 768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                                    "max_position_embeddings": 32768})
         strategy = Eagle3Strategy(Eagle3Options(ttt_length=args.ttt_length, draft_vocab_size=vocab,
-                                                dtype=dtype_name))
+                                                dtype=dtype_name, compile=compile))
         frozen = {"embed_tokens": torch.randn(vocab, hidden, generator=gen).to(dtype),
                   "lm_head": (torch.randn(vocab, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)}
         model = strategy.build_model(target, frozen, DataStats(token_counts=torch.randint(0, 1000, (vocab,),
@@ -117,7 +122,7 @@ def build(name: str, dtype_name: str, args: argparse.Namespace):
         frozen = {part: (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype)
                   for part in ("embed_tokens", "lm_head")}
         strategy = strategy_class(options_class(num_layers=2, block_size=16, num_anchors=16, dtype=dtype_name,
-                                                **extra), BuildContext())
+                                                compile=compile, **extra), BuildContext())
         model = strategy.build_model(target, frozen, DataStats())
         width = strategy.capture_plan(target).features["target_hidden"].shape[1]
         samples = []
@@ -312,9 +317,9 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     from specforge_core.contracts import StepContext
 
     torch.set_num_threads(1)
-    strategy, model, batch, tokens = build(name, dtype_name, args)
+    strategy, model, batch, tokens = build(name, dtype_name, args, compile=args.compile and path == "ours")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    if path == "ours":
+    if path == "ours" or args.reference == "eager":
         def loss_of(step: int):
             return strategy.forward_loss(model, batch, StepContext(global_step=step, total_steps=1000)).loss
     elif name == "eagle3":
@@ -332,12 +337,12 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    step(0)
+    first = step(0)  # with --compile, ours compiles here
     _trim_heap()
     with open("/proc/self/clear_refs", "w") as fh:  # restart the resident-memory high-water mark here
         fh.write("5")
     baseline = _rss_kb("VmRSS")
-    conn.send(("ready", tokens))
+    conn.send(("ready", tokens, first))
     index = 1
     while conn.recv() == "step":
         conn.send(step(index))
@@ -353,6 +358,18 @@ def _trim_heap() -> None:
         pass
 
 
+def kernels(family: str, args: argparse.Namespace) -> dict:
+    """:data:`KERNELS` for ``family`` as this comparison runs them (compiled layers, an eager reference)."""
+    described = {**KERNELS[family], "linears": KERNELS["linears"]}
+    if args.compile:
+        described["ours_layers"] = {"cpu": "torch.compile (inductor C++ kernels) around the eager attention",
+                                    "cuda": "torch.compile (inductor Triton kernels) around the eager attention"}
+    if args.reference == "eager":
+        described = {key: value for key, value in described.items() if not key.startswith("reference")}
+        described["reference"] = "ours, every layer eager"
+    return described
+
+
 def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     spawn = multiprocessing.get_context("spawn")
     paths = ("ours", "reference")
@@ -363,7 +380,8 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
         proc.start()
         pipes[path] = parent
         procs.append(proc)
-    tokens = [pipes[path].recv()[1] for path in paths][0]
+    ready = {path: pipes[path].recv() for path in paths}
+    tokens = ready["ours"][1]
     load_before = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {path: [] for path in paths}
     for pair in range(args.pairs):
@@ -381,11 +399,14 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     ours, ref = statistics.median(seconds["ours"]), statistics.median(seconds["reference"])
     family = "eagle3" if name == "eagle3" else "dflash_family"
     return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "threads": 1, "pairs": args.pairs,
+            "ours": "compiled" if args.compile else "eager",
+            "reference": "textbook" if args.reference == "textbook" else "ours, eager",
+            "first_step_s_ours": ready["ours"][2], "first_step_s_reference": ready["reference"][2],
             "tokens_per_step": tokens, "tokens_per_s_ours": tokens / ours, "tokens_per_s_reference": tokens / ref,
             "ratio": statistics.median(ratios), "ratio_p25": quartiles[0], "ratio_p75": quartiles[2],
             "ratio_min": ratios[0], "ratio_max": ratios[-1],
             "peak_mb_ours": peaks["ours"], "peak_mb_reference": peaks["reference"],
-            "kernels": {**KERNELS[family], "linears": KERNELS["linears"]}, "load_before": load_before, "load_after": os.getloadavg()[0]}
+            "kernels": kernels(family, args), "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -394,6 +415,12 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma separated (default: float32,bfloat16)")
     parser.add_argument("--pairs", type=int, default=7, help="timed step pairs per comparison (default 7)")
     parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE3 unroll steps (default 7)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run ours with the strategy's compile option (its layers under torch.compile; the "
+                             "untimed first step compiles, first_step_s_ours says how long)")
+    parser.add_argument("--reference", choices=("textbook", "eager"), default="textbook",
+                        help="what ours is compared with: the textbook step (default) or ours without compile "
+                             "(with --compile: what compiling changes)")
     args = parser.parse_args()
     for name in args.strategies.split(","):
         if name not in STRATEGIES:

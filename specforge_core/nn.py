@@ -129,3 +129,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     xf = x if x.dtype == torch.float64 else x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def compile_layers(layers: "list[nn.Module] | nn.ModuleList") -> None:
+    """``torch.compile`` each of ``layers`` in place (``nn.Module.compile``, so parameter and state-dict names,
+    and with them checkpoints and exports, stay the same), with dynamic shapes: sequence lengths and block
+    counts change from batch to batch and must not recompile each time.
+
+    Code a layer calls that should stay eager (attention over a pattern whose structure varies per batch)
+    is wrapped in ``torch.compiler.disable`` by its plugin: the compiled graphs then cover the norms,
+    projections, rotary embedding and MLP around it. The first steps pay for compiling. A ``compile``
+    option checked with :func:`specforge_core.options.compilable` refuses a CPU without a C++ compiler
+    before the run starts.
+    """
+    for layer in layers:
+        layer.compile(dynamic=True)

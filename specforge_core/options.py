@@ -176,6 +176,29 @@ def build_options(cls: type, values: Mapping[str, Any] | None, *, section: str, 
     return instance
 
 
+def compilable(value: bool) -> str | None:
+    """``check`` of a plugin's ``compile`` option: why ``torch.compile`` cannot run here, or None.
+
+    On CPU, torch.compile's inductor backend builds C++ kernels at the first step; without a C++
+    compiler it would fail there, after the target is loaded and the data read. Imports torch only
+    when the option is true.
+    """
+    if not value:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - whatever the probe raises, there is no compiler to use
+        return (f"needs a C++ compiler on CPU (torch.compile builds C++ kernels there) and none was found "
+                f"({type(exc).__name__}): install g++ (or point CXX at one) or set it to false")
+    return None
+
+
 def parse_set_value(text: str) -> Any:
     """Parse the value half of ``--set key=value`` with YAML scalars (``1e-4``, ``[1, 2]``, ``true``)."""
     try:

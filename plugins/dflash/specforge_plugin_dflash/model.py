@@ -32,6 +32,9 @@ from .config import DFlashConfig
 BlockPattern = torch.Tensor | GroupedBlockAttention
 
 
+# Both attention entry points stay eager under ``strategy.compile``: the grouped pattern's structure
+# changes from batch to batch, and would recompile the layer each time.
+@torch.compiler.disable
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kernel: str) -> torch.Tensor:
     """Masked attention. q ``[B, h, Q, d]``, k/v ``[B, kv, K, d]``, mask ``[B, 1, Q, K]`` (True = attend).
 
@@ -53,6 +56,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
+@torch.compiler.disable
 def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: GroupedBlockAttention,
                    kernel: str) -> torch.Tensor:
     """:func:`attend` over ``pattern``'s groups: each group's queries against its context prefix and its own

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from specforge_core.dtypes import torch_dtype
+from specforge_core.nn import compile_layers
 from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
 from specforge_core.data.collate import pad_features
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo
@@ -133,8 +134,11 @@ class DFlashStrategy:
             if counts is not None and (self.context is None or self.context.rank == 0):
                 print(f"{self.name}: mask token {chosen} ({_mask_origin(target.extra, chosen)}; set "
                           "strategy.mask_token_id to choose)", file=sys.stderr, flush=True)
-        return self.model_class(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"],
-                                **self.model_kwargs(target))
+        model = self.model_class(config, frozen_parts["embed_tokens"], frozen_parts["lm_head"],
+                                 **self.model_kwargs(target))
+        if self.options.compile:
+            compile_layers(model.layers)
+        return model
 
     # ------------------------------------------------------------------ training
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]], sample_ids: Sequence[str]) -> TrainBatch:

@@ -147,6 +147,21 @@ def ttt_key_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)
 
 
+@torch.compiler.disable
+def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DraftKV, mask0: torch.Tensor | None,
+                      step0: bool) -> torch.Tensor:
+    """Add this step's keys to ``kv`` (step 0: ``kv.k0``; later steps: ``kv.diag``) and attend over them.
+
+    Stays eager under ``strategy.compile``: the cache is a Python object that grows every unroll
+    step, which a compiled layer would guard on and recompile for.
+    """
+    if step0:
+        kv.add_step0(k, v)
+    else:
+        kv.diag.append((k, v))
+    return ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag)
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read the 2h-wide ``[norm(embed) ; norm(hidden)]``."""
 
@@ -167,11 +182,7 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, S, d]
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step0:
-            kv.add_step0(k, v)
-        else:
-            kv.diag.append((k, v))
-        out = ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag)
+        out = attend_with_cache(q, k, v, kv, mask0, step0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 

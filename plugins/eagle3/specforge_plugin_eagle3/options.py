@@ -12,7 +12,7 @@ import attrs
 
 from specforge_core.errors import OptionError
 from specforge_core.serving import check_servable_layer_ids
-from specforge_core.options import option, positive
+from specforge_core.options import compilable, option, positive
 
 #: EAGLE3 fuses exactly three target layers (low, middle, high); SGLang's draft ``fc``
 #: is ``Linear(3 * target_hidden_size, hidden_size)``.
@@ -68,6 +68,11 @@ class Eagle3Options:
                   "token but the last, the first round after the prompt included). reference: ALGORITHMS.md's and "
                   "SpecForge's unshifted loss mask, which skips the first round of every reply and trains two "
                   "positions past its end.", choices=("decode", "reference"))
+    compile: bool = option(
+        False, "torch.compile the draft's decoder layer (dynamic shapes; the attention over the growing "
+               "unroll cache stays eager). The first steps pay for compiling (on CPU about a minute, and it "
+               "needs a C++ compiler); see the README's benchmarks for what it changes. Checkpoints and "
+               "exports are the same either way.", check=compilable)
     dtype: str = option("float32", "dtype of the trainable draft weights (and of the export). The frozen "
                                    "target embedding and lm_head keep the target's dtype.",
                         choices=("float32", "bfloat16"))

@@ -17,6 +17,7 @@ from specforge_core.contracts import FeatureSpec, StepOutput, TrainBatch
 from specforge_core.data.collate import CollateError, pad_features
 from specforge_core.errors import SpecforgeError
 from specforge_core.hfconfig import config_value, rope_theta
+from specforge_core.nn import compile_layers
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo, VerifySession
 from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
@@ -94,6 +95,8 @@ class Eagle3Strategy:
         if counts is None and not stats.num_samples:
             counts = torch.zeros(config.vocab_size, dtype=torch.long)  # placeholder: the lowest Vd ids
         model.set_vocab_mapping(*build_vocab_mapping(counts, config.vocab_size, config.draft_vocab_size))
+        if self.options.compile:
+            compile_layers([model.midlayer])
         return model
 
     def _size_vocab_from(self, token_counts: Any, vocab_size: int) -> None:

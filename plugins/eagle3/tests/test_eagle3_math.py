@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge_core.contracts import StepContext
-from specforge_core.protocols import DataStats, TargetInfo
+from specforge_core.protocols import DataStats
 from specforge_core.training.checkpoint import model_state
 from specforge_core.training.distributed import DistInfo
 
@@ -16,32 +16,9 @@ from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
 from specforge_core.nn import apply_rope
 from specforge_plugin_eagle3.model import additive_mask, repeat_kv, shift_left, ttt_attention, ttt_key_mask
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
+from specforge_plugin_eagle3.testing import V, tiny_batch, tiny_target
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
 
-V, H = 11, 16
-
-
-def tiny_target(vocab=V, hidden=H, layers=4):
-    info = TargetInfo(num_layers=layers, hidden_size=hidden, vocab_size=vocab, extra={
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 64})
-    gen = torch.Generator().manual_seed(0)
-    frozen = {"embed_tokens": torch.randn(vocab, hidden, generator=gen),
-              "lm_head": torch.randn(vocab, hidden, generator=gen), "norm": torch.ones(hidden)}
-    return info, frozen
-
-
-def tiny_batch(strategy, info, lengths=(5, 3), seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for n in lengths:
-        mask = torch.ones(n, dtype=torch.long)
-        mask[0] = 0
-        samples.append({"input_ids": torch.randint(0, info.vocab_size, (n,), generator=gen),
-                        "loss_mask": mask,
-                        "aux_hidden": torch.randn(n, 3 * info.hidden_size, generator=gen),
-                        "last_hidden": torch.randn(n, info.hidden_size, generator=gen)})
-    return samples, strategy.collate(samples, [f"s{i}" for i in range(len(samples))])
 
 
 def counts_for(vocab, hot):
