@@ -66,3 +66,22 @@ def test_the_linear_module_keeps_nn_linear_parameters_and_state_dict_names():
     assert list(layer.state_dict()) == ["weight"]
     x = torch.randn(2, 6)
     assert torch.equal(layer(x), x @ layer.weight.t())
+
+
+@pytest.mark.parametrize(("rows", "width", "out", "upcast"), [
+    (1, 16, 8, False),  # a decode step: converting the weight costs more than torch's own kernel
+    (3, 16, 8, False),
+    (4, 16, 8, True),  # small weights pay from 4 rows
+    (16, 512, 1 << 14, False),  # 8M elements: a large weight pays from 24 rows only
+    (24, 512, 1 << 14, True),
+])
+def test_the_upcast_runs_only_where_enough_rows_share_the_weight(half_gemm, rows, width, out, upcast):
+    half_gemm("fp32")
+    assert sf_nn.upcast_pays(rows, width * out) is upcast
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(out, width, generator=gen).bfloat16()
+    result = linear(x, w)
+    assert ("UpcastLinear" in type(result.grad_fn).__name__) is upcast
+    assert result.dtype == torch.bfloat16 and result.shape == (rows, out)
+    torch.testing.assert_close(result.float(), F.linear(x.float(), w.float()), rtol=0.02, atol=0.05)
