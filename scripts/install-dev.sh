@@ -42,4 +42,12 @@ if [ -e plugins/backends/postgres/pyproject.toml ] && ! command -v ip >/dev/null
         echo "warning: iproute2 (ip) is missing; the across-hosts tests will be skipped" >&2
     fi
 fi
+# strategy.compile's tests run torch.compile, whose CPU backend builds C++ kernels with g++.
+if ! command -v g++ >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq g++
+    else
+        echo "warning: g++ is missing; install it (apt-get install g++) for strategy.compile and its tests" >&2
+    fi
+fi
 echo "installed into $VENV: ${args[*]}"
