@@ -29,6 +29,19 @@ from typing import Any, Sequence
 from .errors import MooncakeUnavailableError
 
 
+def client_missing() -> str | None:
+    """Why the Mooncake client cannot be loaded here (no wheel, or no libibverbs1), or None.
+
+    ``import mooncake`` succeeds without the native library; ``mooncake.store`` is what loads it.
+    """
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any load failure means the same thing, with its text
+        return (f"Mooncake client unavailable ({type(exc).__name__}: {exc}); pip install "
+                "mooncake-transfer-engine-non-cuda and apt-get install libibverbs1 to use it")
+    return None
+
+
 def mooncake_binary(name: str = "mooncake_master") -> str:
     """Path of a Mooncake executable shipped with the mooncake wheel (``mooncake_master``, ``mooncake_client``)."""
     try:

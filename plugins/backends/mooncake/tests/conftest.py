@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from specforge_plugin_mooncake.master import LocalMaster
+from specforge_plugin_mooncake.master import LocalMaster, client_missing
 
 
 def close_idle_clients(master_address: str) -> None:
@@ -25,19 +25,9 @@ def close_idle_clients(master_address: str) -> None:
 LEASE_TTL_MS = 500
 
 
-def mooncake_missing() -> str | None:
-    """Why the Mooncake client cannot be used here, or None."""
-    try:
-        import mooncake.store  # noqa: F401  (loads the native client, which needs libibverbs1)
-    except Exception as exc:  # noqa: BLE001 - any load failure means "skip", with its text
-        return (f"Mooncake client unavailable ({type(exc).__name__}: {exc}); pip install "
-                "mooncake-transfer-engine-non-cuda and apt-get install libibverbs1 to run these tests")
-    return None
-
-
 @pytest.fixture(scope="session")
 def needs_mooncake() -> None:
-    reason = mooncake_missing()
+    reason = client_missing()
     if reason:
         pytest.skip(reason)
 

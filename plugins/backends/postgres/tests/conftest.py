@@ -36,9 +36,12 @@ def needs_postgres() -> None:
 def needs_mooncake() -> None:
     """Skip, with the reason, where the Mooncake client cannot be loaded (no wheel, no libibverbs1)."""
     try:
-        import mooncake.store  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any load failure means skip, with its text
-        pytest.skip(f"Mooncake client unavailable ({type(exc).__name__}: {exc})")
+        from specforge_plugin_mooncake.master import client_missing
+    except ImportError as exc:
+        pytest.skip(f"specforge-plugin-mooncake is not installed ({exc})")
+    reason = client_missing()
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
