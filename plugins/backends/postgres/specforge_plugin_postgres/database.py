@@ -136,14 +136,6 @@ class Database:
                 time.sleep(0.2)
         self._closed = False
 
-    def use_schema(self, schema: str) -> None:
-        """Set the schema (after it was created) for this and every later connection."""
-        from psycopg import sql
-
-        with self._lock:
-            self.schema = schema
-            self._conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
-
     def run(self, work: Callable[[Any], Any], *, op_id: str | None = None, single_statement: bool = False) -> Any:
         """Run ``work(connection)`` in one transaction and return its result, retrying on a lost connection.
 

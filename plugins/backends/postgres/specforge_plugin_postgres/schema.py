@@ -134,9 +134,3 @@ def ensure_schema(conn: Any, schema: str, address: str) -> None:
         raise StreamMismatchError(f"{where} lacks the tables {', '.join(missing)}; it was damaged by hand. Drop "
                                   "it (DROP SCHEMA ... CASCADE) or name another schema")
 
-
-def drop_schema(conn: Any, schema: str) -> None:
-    """Remove a control plane's schema and everything in it (tests and ``specforge`` clean-up)."""
-    from psycopg import sql
-
-    conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(check_schema_name(schema))))
