@@ -352,9 +352,23 @@ def test_a_producer_cannot_reopen_a_closed_stream(tmp_path):
 def test_a_consumer_handle_cannot_publish(tmp_path):
     _channel(tmp_path, role="producer").detach()
     consumer = _channel(tmp_path, role="consumer")
-    with pytest.raises(ControlPlaneError, match="opened with role='consumer'; open the channel with role='producer'"):
+    with pytest.raises(ControlPlaneError) as caught:
         consumer.publish(sample_refs(1))
+    assert str(caught.value) == (f"this handle of {tmp_path / 'refs.jsonl'} was opened with role='consumer'; open it "
+                                 "with role='producer' to publish, heartbeat or wait for capacity")
     consumer.detach()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"role": "reader"}, "channel role must be 'producer', 'consumer' or 'both', got 'reader'"),
+    ({"role": "consumer", "shard": (2, 2)}, "shard must be (rank, world_size) with 0 <= rank < world_size, got (2, 2)"),
+    ({"role": "consumer", "shard": (-1, 2)}, "shard must be (rank, world_size) with 0 <= rank < world_size, got (-1, 2)"),
+])
+def test_a_bad_role_or_shard_is_refused_before_the_channel_touches_its_directory(tmp_path, options, message):
+    with pytest.raises(ControlPlaneError) as caught:
+        FileChannel(str(tmp_path / "channel"), **options)
+    assert str(caught.value) == message
+    assert not (tmp_path / "channel").exists()
 
 
 def test_a_consumer_fail_stops_the_producer(tmp_path):

@@ -432,13 +432,33 @@ class RestartableChannel(RefChannelBase):
     """A channel whose consumers can restart: they skip acked ids and restate their consumed count.
 
     Subclasses keep ``_consumed_base`` (this rank's count from before the restart) in
-    ``_store_consumed`` and drop ids in ``_skip`` when they pull refs.
+    ``_store_consumed`` and drop ids in ``_skip`` when they pull refs. A handle has a
+    ``role`` (``"producer"`` publishes, ``"consumer"`` polls its ``shard=(rank, world_size)``,
+    ``"both"`` does both) and names itself in errors by :attr:`where`.
     """
 
-    def __init__(self, **channel_options: Any) -> None:
+    def __init__(self, *, role: str = "both", shard: tuple[int, int] = (0, 1), **channel_options: Any) -> None:
         super().__init__(**channel_options)
+        if role not in ("producer", "consumer", "both"):
+            raise ControlPlaneError(f"channel role must be 'producer', 'consumer' or 'both', got {role!r}")
+        rank, world_size = shard
+        if not 0 <= rank < world_size:
+            raise ControlPlaneError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard}")
+        self.role = role
+        self.rank, self.world_size = rank, world_size
         self._skip: set[str] = set()
         self._consumed_base = 0
+
+    @property
+    def where(self) -> str:
+        """This channel, as errors name it."""
+        return type(self).__name__
+
+    def _check_publishable(self) -> None:
+        if self.role == "consumer":
+            raise ControlPlaneError(f"this handle of {self.where} was opened with role='consumer'; open it with "
+                                    "role='producer' to publish, heartbeat or wait for capacity")
+        super()._check_publishable()
 
     def reset_consumed(self, count: int) -> None:
         """Set this rank's consumed count to ``count`` (a restarted consumer whose earlier
@@ -486,17 +506,10 @@ class FileChannel(RestartableChannel):
                  high_watermark: int | None = None, low_watermark: int | None = None,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
                  skip_ids: Iterable[str] = (), read_chunk_bytes: int = 1 << 20) -> None:
-        super().__init__(high_watermark=high_watermark, low_watermark=low_watermark,
+        super().__init__(role=role, shard=shard, high_watermark=high_watermark, low_watermark=low_watermark,
                          idle_timeout_s=idle_timeout_s, poll_interval_s=poll_interval_s)
-        if role not in ("producer", "consumer", "both"):
-            raise ControlPlaneError(f"FileChannel role must be 'producer', 'consumer' or 'both', got {role!r}")
-        rank, world_size = shard
-        if not 0 <= rank < world_size:
-            raise ControlPlaneError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard}")
         self.path = os.path.abspath(path)
         self.refs_path = os.path.join(self.path, REFS_FILE)
-        self.role = role
-        self.rank, self.world_size = rank, world_size
         self.fsync = fsync
         self._max_sleep_s = poll_interval_s
         self._skip.update(skip_ids)
@@ -505,7 +518,7 @@ class FileChannel(RestartableChannel):
         self._ref_index = 0  # index of the next ref record in the file, over all shards
         self._write_fd: int | None = None
         self._producer_tail: _JsonlTail | None = None  # the producer's view: counts refs, sees fail lines
-        consumed_path = os.path.join(self.path, f"consumed.{rank}.json")
+        consumed_path = os.path.join(self.path, f"consumed.{self.rank}.json")
         self._consumed_path = consumed_path
         self._consumed_base = self._load_consumed(consumed_path) if role != "producer" else 0
         if role != "consumer":
@@ -555,11 +568,9 @@ class FileChannel(RestartableChannel):
                 self._terminal = ("was closed" if record["kind"] == "close"
                                   else f"was failed: {record.get('reason')}")
 
-    def _check_publishable(self) -> None:
-        if self.role == "consumer":
-            raise ControlPlaneError(f"this handle of {self.refs_path} was opened with role='consumer'; open "
-                                    "the channel with role='producer' to publish, heartbeat or wait for capacity")
-        super()._check_publishable()
+    @property
+    def where(self) -> str:
+        return self.refs_path
 
     def _write(self, data: bytes, durable: bool) -> None:
         if self._write_fd is None:

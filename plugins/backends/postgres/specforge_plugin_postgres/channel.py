@@ -28,7 +28,7 @@ from typing import Any
 
 from specforge_core.contracts import SampleRef
 from specforge_core.control_planes.channel import RestartableChannel
-from specforge_core.errors import ChannelClosedError, ControlPlaneError
+from specforge_core.errors import ChannelClosedError
 
 from .database import Database, Listener
 
@@ -82,21 +82,14 @@ class PostgresChannel(RestartableChannel):
 
     def __init__(self, db: Database, *, name: str = "stream", role: str = "both", shard: tuple[int, int] = (0, 1),
                  listen_timeout_s: float = 5.0, **channel_options: Any) -> None:
-        super().__init__(**channel_options)
-        if role not in ("producer", "consumer", "both"):
-            raise ControlPlaneError(f"channel role must be 'producer', 'consumer' or 'both', got {role!r}")
-        rank, world_size = shard
-        if not 0 <= rank < world_size:
-            raise ControlPlaneError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard}")
+        super().__init__(role=role, shard=shard, **channel_options)
         self.db = db
         self.name = name
-        self.role = role
-        self.rank, self.world_size = rank, world_size
         self._max_sleep_s = self.poll_interval_s
         self.notify_name = notify_channel(db.schema or "")
         self._listen_timeout_s = listen_timeout_s
         self._listener: Listener | None = None
-        self._next = rank  # the next stream position this consumer expects
+        self._next = self.rank  # the next stream position this consumer expects
         self._heartbeats_seen: int | None = None
         db.run(lambda conn: conn.execute("INSERT INTO channel_state (channel) VALUES (%s) ON CONFLICT DO NOTHING",
                                          (name,)))
@@ -123,11 +116,9 @@ class PostgresChannel(RestartableChannel):
         if end_kind is not None and self._terminal is None:
             self._terminal = "was closed" if end_kind == "closed" else f"was failed: {end_reason}"
 
-    def _check_publishable(self) -> None:
-        if self.role == "consumer":
-            raise ControlPlaneError(f"this handle of channel {self.name!r} was opened with role='consumer'; open it "
-                                    "with role='producer' to publish, heartbeat or wait for capacity")
-        super()._check_publishable()
+    @property
+    def where(self) -> str:
+        return f"channel {self.name!r}"
 
     def _append_refs(self, refs: list[SampleRef]) -> None:
         sample_ids = [ref.sample_id for ref in refs]

@@ -121,7 +121,11 @@ def ensure_schema(conn: Any, schema: str, address: str) -> None:
         raise StreamMismatchError(f"{where} holds tables that are not a specforge control plane "
                                   f"({', '.join(sorted(tables)[:6])}); name another schema with "
                                   "control_plane.schema")
-    meta = dict(conn.execute(sql.SQL("SELECT key, value FROM {}.meta").format(sql.Identifier(schema))).fetchall())
+    columns = {row[0] for row in conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = 'meta'",
+        (schema,))}
+    meta = {} if not {"key", "value"} <= columns else dict(
+        conn.execute(sql.SQL("SELECT key, value FROM {}.meta").format(sql.Identifier(schema))).fetchall())
     if meta.get("format") != FORMAT:
         raise StreamMismatchError(f"{where} holds a table 'meta' that is not a specforge control plane's "
                                   f"(format {meta.get('format')!r}); name another schema with control_plane.schema")

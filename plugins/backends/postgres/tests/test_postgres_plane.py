@@ -88,6 +88,42 @@ def test_a_schema_of_another_version_is_refused_and_keeps_its_rows(postgres, sch
         assert conn.execute(f"SELECT count(*) FROM {schema}.samples").fetchone()[0] == 3
 
 
+def test_a_schema_missing_one_of_its_tables_is_refused_and_keeps_its_rows(postgres, schema):
+    plane = open_plane(postgres, schema)
+    plane.metadata.commit(sample_refs(3))
+    plane.close()
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE {schema}.markers")
+        with pytest.raises(StreamMismatchError, match=rf"schema '{schema}' .* lacks the tables markers; it was damaged "
+                                                      r"by hand\. Drop it \(DROP SCHEMA \.\.\. CASCADE\) or name "
+                                                      r"another schema"):
+            open_plane(postgres, schema)
+        assert conn.execute(f"SELECT count(*) FROM {schema}.samples").fetchone()[0] == 3
+
+
+def test_a_schema_whose_meta_table_is_not_ours_is_refused_and_left_alone(postgres, schema):
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.meta (setting text, value text)")
+        conn.execute(f"INSERT INTO {schema}.meta VALUES ('colour', 'blue')")
+        with pytest.raises(StreamMismatchError, match=rf"schema '{schema}' .* holds a table 'meta' that is not a "
+                                                      r"specforge control plane's"):
+            open_plane(postgres, schema)
+        assert conn.execute(f"SELECT setting, value FROM {schema}.meta").fetchall() == [("colour", "blue")]
+
+
+def test_a_consumer_handle_cannot_publish(postgres, schema):
+    open_plane(postgres, schema).close()
+    consumer = open_plane(postgres, schema, role="consumer")
+    try:
+        with pytest.raises(ControlPlaneError) as caught:
+            consumer.channel.publish(sample_refs(1))
+        assert str(caught.value) == ("this handle of channel 'stream' was opened with role='consumer'; open it with "
+                                     "role='producer' to publish, heartbeat or wait for capacity")
+    finally:
+        consumer.close()
+
+
 def test_a_bad_schema_name_is_refused():
     from specforge_plugin_postgres.schema import check_schema_name
 
