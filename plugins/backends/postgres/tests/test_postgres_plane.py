@@ -77,10 +77,15 @@ def test_a_schema_holding_other_tables_is_refused_and_left_alone(postgres, schem
     assert tables == [("invoices",)]
 
 
-def test_a_schema_of_another_version_is_refused_and_keeps_its_rows(postgres, schema):
+def stream_of_three_samples(postgres, schema):
+    """A control plane's schema holding three committed samples, its handle closed."""
     plane = open_plane(postgres, schema)
     plane.metadata.commit(sample_refs(3))
     plane.close()
+
+
+def test_a_schema_of_another_version_is_refused_and_keeps_its_rows(postgres, schema):
+    stream_of_three_samples(postgres, schema)
     with psycopg.connect(postgres.dsn, autocommit=True) as conn:
         conn.execute(f"UPDATE {schema}.meta SET value = '99' WHERE key = 'schema_version'")
         with pytest.raises(StreamMismatchError, match=r"has control-plane schema v99; this specforge reads v1"):
@@ -89,9 +94,7 @@ def test_a_schema_of_another_version_is_refused_and_keeps_its_rows(postgres, sch
 
 
 def test_a_schema_missing_one_of_its_tables_is_refused_and_keeps_its_rows(postgres, schema):
-    plane = open_plane(postgres, schema)
-    plane.metadata.commit(sample_refs(3))
-    plane.close()
+    stream_of_three_samples(postgres, schema)
     with psycopg.connect(postgres.dsn, autocommit=True) as conn:
         conn.execute(f"DROP TABLE {schema}.markers")
         with pytest.raises(StreamMismatchError, match=rf"schema '{schema}' .* lacks the tables markers; it was damaged "
