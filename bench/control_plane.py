@@ -13,7 +13,9 @@
   ratio to its 10k refs/s goal, to the sqlite run of the same batch and to its physical
   limit: the server's rate of durable one-row INSERT + COMMIT round trips
   (``durable_commits_per_s``, probed before and after), of which a commit + ack pair
-  takes two, so ``bound_refs_per_s`` = that rate x batch / 2;
+  takes two, so ``bound_refs_per_s`` = that rate x batch / 2. Both commit + ack loops also
+  print the median time of a batch in the first and the last tenth of the run
+  (``ratio_last_to_first`` near 1: no statement slows down as the tables grow);
 * ``postgres_stream_commit_ack`` — a run's traffic at batch 64: a producer completing
   claims (commit + publish in one transaction) while a consumer polls, acks and reports,
   on separate connections, so the server shares WAL flushes between them (group commit);
@@ -67,17 +69,25 @@ def raw_sync_rate(directory: str, seconds: float) -> float:
     return count / (time.perf_counter() - start)
 
 
-def commit_ack_loop(store, pool: list, batch: int, seconds: float) -> tuple[int, int, float]:
-    """Commit then ack ``batch`` refs at a time for ``seconds``: (refs, steps, elapsed)."""
-    done, step, start = 0, 0, time.perf_counter()
+def commit_ack_loop(store, pool: list, batch: int, seconds: float) -> tuple[int, int, float, dict]:
+    """Commit then ack ``batch`` refs at a time for ``seconds``: (refs, steps, elapsed, flatness),
+    where ``flatness`` holds the median commit + ack time of the first and of the last tenth of
+    the batches: a statement whose cost grows with the tables shows as a ratio above 1."""
+    done, step, start, times = 0, 0, time.perf_counter(), []
     while done + batch <= len(pool) and time.perf_counter() - start < seconds:
+        began = time.perf_counter()
         fresh = store.commit(pool[done:done + batch])
         step += 1
         store.ack(ids(fresh), step)
+        times.append(time.perf_counter() - began)
         done += batch
     elapsed = time.perf_counter() - start
     assert store.stats()["acked"] == done
-    return done, step, elapsed
+    tenth = max(1, len(times) // 10)
+    first, last = statistics.median(times[:tenth]), statistics.median(times[-tenth:])
+    flatness = {"batch_ms_first_tenth": round(first * 1e3, 3), "batch_ms_last_tenth": round(last * 1e3, 3),
+                "ratio_last_to_first": round(last / first, 3)}
+    return done, step, elapsed, flatness
 
 
 def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> float:
@@ -86,7 +96,7 @@ def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> floa
     before = raw_sync_rate(directory, probe_s)
     store = SqliteMetadataStore(os.path.join(directory, f"bench-{batch}.sqlite"))
     try:
-        done, step, elapsed = commit_ack_loop(store, pool, batch, seconds)
+        done, step, elapsed, flatness = commit_ack_loop(store, pool, batch, seconds)
     finally:
         store.close()
     sync_rate = (before + raw_sync_rate(directory, probe_s)) / 2
@@ -95,7 +105,7 @@ def bench_sqlite(directory: str, pool: list, batch: int, seconds: float) -> floa
     emit(bench="sqlite_commit_ack", batch=batch, refs=done, seconds=round(elapsed, 3), refs_per_s=round(rate),
          target_refs_per_s=TARGET_REFS_PER_S, ratio_to_target=round(rate / TARGET_REFS_PER_S, 3),
          transactions_per_s=round(transactions_per_s), raw_syncs_per_s=round(sync_rate),
-         ratio_to_raw_sync=round(transactions_per_s / sync_rate, 3), dir=directory)
+         ratio_to_raw_sync=round(transactions_per_s / sync_rate, 3), **flatness, dir=directory)
     return rate
 
 
@@ -194,7 +204,7 @@ def bench_postgres(directory: str, dsn: str | None, pool: list, sqlite_rates: di
                 finally:
                     handle.close()
 
-            (done, step, elapsed), commit_rate = limit(serial)
+            (done, step, elapsed, flatness), commit_rate = limit(serial)
             rate, transactions_per_s = done / elapsed, 2 * step / elapsed
             # Two durable transactions per batch, one after the other: at best batch/2 refs per flush.
             bound = commit_rate * batch / 2
@@ -203,7 +213,7 @@ def bench_postgres(directory: str, dsn: str | None, pool: list, sqlite_rates: di
                  ratio_to_target=round(rate / POSTGRES_TARGET_REFS_PER_S, 3),
                  ratio_to_sqlite=round(rate / sqlite_rates[batch], 3), transactions_per_s=round(transactions_per_s),
                  durable_commits_per_s=round(commit_rate), bound_refs_per_s=round(bound),
-                 ratio_to_bound=round(rate / bound, 3), server=where)
+                 ratio_to_bound=round(rate / bound, 3), **flatness, server=where)
         batch = POLL_BATCH
         schema = f"bench_stream_{os.getpid()}"
         (done, acks, elapsed), commit_rate = limit(lambda: stream_commit_ack(

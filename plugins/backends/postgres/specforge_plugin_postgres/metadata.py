@@ -52,14 +52,15 @@ SELECT sample_id FROM fresh
 _COMMIT = commit_statement()
 
 # One statement: the acks and the durable step move only when every id is known; a sample
-# acked before keeps its first step (the ledger's primary key).
+# acked before keeps its first step (the ledger's primary key). ``ids`` are distinct.
+# ``known`` is an index probe per id whatever plan the server caches for the prepared
+# statement: a join against ``unnest(...)`` gets a generic plan that scans all of
+# ``samples``, made while the table was small, and every ack grew with the run.
 _ACK = """
-WITH ids AS (
-    SELECT DISTINCT unnest(%(ids)b::text[]) AS sample_id
-), known AS (
-    SELECT count(*) AS n FROM samples JOIN ids USING (sample_id)
+WITH known AS (
+    SELECT count(*) AS n FROM samples WHERE sample_id = ANY(%(ids)b::text[])
 ), acked AS (
-    INSERT INTO acks (sample_id, step) SELECT sample_id, %(step)s FROM ids WHERE (SELECT n FROM known) = %(n)s
+    INSERT INTO acks (sample_id, step) SELECT unnest(%(ids)b::text[]), %(step)s WHERE (SELECT n FROM known) = %(n)s
     ON CONFLICT (sample_id) DO NOTHING
 ), durable AS (
     UPDATE counters SET value = GREATEST(value, %(step)s) WHERE name = 'durable_step' AND (SELECT n FROM known) = %(n)s
@@ -102,7 +103,8 @@ class PostgresMetadataStore:
 
         def work(conn: Any) -> None:
             # Idempotent (first ack's step kept, durable step a maximum): a retry is harmless.
-            found = conn.execute(_ACK, {"ids": distinct, "step": global_step, "n": len(distinct)}).fetchone()[0]
+            found = conn.execute(_ACK, {"ids": distinct, "step": global_step, "n": len(distinct)},
+                                 prepare=False).fetchone()[0]
             if found != len(distinct):  # nothing was applied; say which ids are unknown
                 known = {row[0] for row in conn.execute("SELECT sample_id FROM samples WHERE sample_id = ANY(%b)",
                                                         (distinct,))}
