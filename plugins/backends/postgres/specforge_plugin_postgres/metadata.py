@@ -29,27 +29,30 @@ from specforge_core.errors import ControlPlaneError
 
 from .database import Database
 
-def commit_statement(record_op: bool = True) -> str:
-    """One statement (one round trip, one atomic commit) that inserts the fresh refs and counts
-    the duplicates; with ``record_op`` it also records the op id with the fresh ids, for a
-    retry after a lost answer. Parameters: ``ids``, ``refs`` (text arrays), ``n``, ``op``."""
-    op = """, op AS (
-    INSERT INTO ops (op_id, result) SELECT %(op)s, coalesce(json_agg(sample_id), '[]')::text FROM fresh
-)""" if record_op else ""
-    return f"""
-WITH batch AS (
-    SELECT sample_id, ref, n FROM unnest(%(ids)b::text[], %(refs)b::text[]) WITH ORDINALITY AS b (sample_id, ref, n)
+def fresh_refs(batch: str) -> str:
+    """CTEs that commit the refs of ``batch`` (a query with columns ``sample_id``, ``ref`` and
+    ``n``, the order within the batch): ``fresh`` returns the ids inserted, and the duplicates
+    counter grows by the others (parameter ``n``: the batch's length)."""
+    return f"""batch AS (
+    {batch}
 ), fresh AS (
     INSERT INTO samples (sample_id, ref) SELECT sample_id, ref FROM batch ORDER BY n
     ON CONFLICT (sample_id) DO NOTHING RETURNING sample_id
 ), duplicates AS (
     UPDATE counters SET value = value + %(n)s - (SELECT count(*) FROM fresh) WHERE name = 'duplicates'
-){op}
+)"""
+
+
+# One statement (one round trip, one atomic commit) that inserts the fresh refs, counts the
+# duplicates and records the op id with the fresh ids, for a retry after a lost answer.
+# Parameters: ``ids``, ``refs`` (text arrays), ``n``, ``op``.
+_COMMIT = f"""
+WITH {fresh_refs("SELECT sample_id, ref, n FROM unnest(%(ids)b::text[], %(refs)b::text[]) "
+                 "WITH ORDINALITY AS b (sample_id, ref, n)")}, op AS (
+    INSERT INTO ops (op_id, result) SELECT %(op)s, coalesce(json_agg(sample_id), '[]')::text FROM fresh
+)
 SELECT sample_id FROM fresh
 """
-
-
-_COMMIT = commit_statement()
 
 # One statement: the acks and the durable step move only when every id is known; a sample
 # acked before keeps its first step (the ledger's primary key). ``ids`` are distinct.

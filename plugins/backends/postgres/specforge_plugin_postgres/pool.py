@@ -25,7 +25,53 @@ from specforge_core.errors import ClaimLostError, ControlPlaneError, LeaseHeldEr
 
 from .channel import PostgresChannel
 from .database import Database
-from .metadata import PostgresMetadataStore
+from .metadata import PostgresMetadataStore, fresh_refs
+
+
+def _claim_statement(free: str) -> str:
+    """One statement (one round trip, one atomic commit): take up to ``count`` of the lowest open
+    positions whose claim is ``free`` for ``holder`` and record the op id with what was taken, for
+    a retry after a lost answer (``Database.run``)."""
+    return f"""
+WITH taken AS (
+    UPDATE claims SET holder = %(holder)s, expires_at = now() + make_interval(secs => %(ttl)s), attempt = attempt + 1
+    WHERE position IN (SELECT position FROM claims WHERE NOT done AND ({free}) ORDER BY position
+                       LIMIT %(count)s FOR UPDATE SKIP LOCKED)
+    RETURNING position, attempt
+), op AS (
+    INSERT INTO ops (op_id, result)
+    SELECT %(op)s, coalesce(json_agg(json_build_array(position, attempt) ORDER BY position), '[]')::text FROM taken
+)
+SELECT position, attempt FROM taken
+"""
+
+
+_CLAIM = _claim_statement("holder IS NULL OR expires_at < now()")
+_CLAIM_EXPIRED = _claim_statement("holder IS NOT NULL AND expires_at < now()")  # a dead producer's claims only
+
+
+# Commit the completed refs (dedup on sample id, duplicates counted) and publish the fresh ones
+# at their claims' positions, in one statement; the channel_state update takes the row lock
+# that serialises completions.
+_PUBLISH_CLAIMED = f"""
+WITH {fresh_refs("SELECT position, sample_id, ref, n FROM unnest(%(positions)s::bigint[], %(ids)b::text[], "
+                 "%(refs)b::text[]) WITH ORDINALITY AS b (position, sample_id, ref, n)")}, published AS (
+    INSERT INTO channel_refs (channel, position, sample_id, ref)
+    SELECT %(channel)s, position, sample_id, ref FROM batch WHERE sample_id IN (SELECT sample_id FROM fresh)
+)
+UPDATE channel_state SET published = published + (SELECT count(*) FROM fresh) WHERE channel = %(channel)s
+"""
+
+# When no position is left open, end the stream at its length; wake the consumers either way.
+_CLOSE_IF_LAST = """
+WITH last AS (
+    SELECT NOT EXISTS (SELECT 1 FROM claims WHERE NOT done) AS last
+), closed AS (
+    UPDATE channel_state SET end_kind = 'closed', end_reason = 'was closed', end_position = (SELECT count(*) FROM claims)
+    WHERE channel = %(channel)s AND end_kind IS NULL AND (SELECT last FROM last)
+)
+SELECT last, pg_notify(%(notify)s, %(channel)s) FROM last
+"""
 
 
 class PoolTables:
@@ -83,19 +129,16 @@ class PoolTables:
         ``expired_only`` takes only claims a dead producer left (what a producer paused by
         backpressure must still fill: the consumers wait for those gaps).
         """
-        free = "holder IS NOT NULL AND expires_at < now()" if expired_only else \
-            "holder IS NULL OR expires_at < now()"
+        op_id = f"claim-{uuid.uuid4().hex}"
+        statement = _CLAIM_EXPIRED if expired_only else _CLAIM
 
         def work(conn: Any) -> list[list[int]]:
-            rows = conn.execute(
-                "UPDATE claims SET holder = %s, expires_at = now() + make_interval(secs => %s), attempt = attempt + 1 "
-                f"WHERE position IN (SELECT position FROM claims WHERE NOT done AND ({free}) ORDER BY position "
-                "LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING position, attempt", (holder, ttl_s, count)).fetchall()
+            rows = conn.execute(statement, {"holder": holder, "ttl": ttl_s, "count": count, "op": op_id}).fetchall()
             return sorted([int(position), int(attempt)] for position, attempt in rows)
 
         # With an op id: a claim whose answer was lost (a server restart) returns the positions it
         # took when run again, rather than taking more; the lost ones would be renewed, never worked.
-        claimed = self.db.run(work, op_id=f"claim-{uuid.uuid4().hex}")
+        claimed = self.db.run(work, op_id=op_id, single_statement=True)
         return [(position, attempt) for position, attempt in claimed]
 
     def open_claims(self) -> int:
@@ -110,11 +153,10 @@ class PoolTables:
         """
         if len(positions) != len(refs):
             raise ControlPlaneError(f"complete() got {len(positions)} positions and {len(refs)} refs")
-        from .metadata import commit_statement
-
         channel = self.channel
-        ids = [ref.sample_id for ref in refs]
-        texts = [ref.to_json() for ref in refs]
+        params = {"positions": list(positions), "ids": [ref.sample_id for ref in refs],
+                  "refs": [ref.to_json() for ref in refs], "n": len(refs), "channel": channel.name,
+                  "notify": channel.notify_name}
 
         def work(conn: Any) -> bool:
             done = conn.execute("UPDATE claims SET done = true, holder = NULL, expires_at = NULL WHERE "
@@ -124,22 +166,9 @@ class PoolTables:
                 raise ClaimLostError(f"{len(positions) - len(done)} of positions {list(positions)[:5]}... are no longer "
                                      f"claimed by {holder}: its claim expired and another producer took it. Nothing "
                                      "of this batch was published; raise the claim ttl if captures take this long")
-            fresh = {row[0] for row in conn.execute(commit_statement(record_op=False),
-                                                    {"ids": ids, "refs": texts, "n": len(ids)})}
-            publish = [(p, sid, text) for p, sid, text in zip(positions, ids, texts) if sid in fresh]
-            conn.execute("INSERT INTO channel_refs (channel, position, sample_id, ref) "
-                         "SELECT %s, position, sample_id, ref FROM unnest(%s::bigint[], %b::text[], %b::text[]) "
-                         "AS batch (position, sample_id, ref)",
-                         (channel.name, [p for p, _, _ in publish], [s for _, s, _ in publish],
-                          [t for _, _, t in publish]))
-            conn.execute("UPDATE channel_state SET published = published + %s WHERE channel = %s",
-                         (len(publish), channel.name))
-            last = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM claims WHERE NOT done)").fetchone()[0]
-            if last:  # the whole stream is published: end it at its length
-                conn.execute("UPDATE channel_state SET end_kind = 'closed', end_reason = 'was closed', "
-                             "end_position = (SELECT count(*) FROM claims) WHERE channel = %s AND end_kind IS NULL",
-                             (channel.name,))
-            conn.execute("SELECT pg_notify(%s, %s)", (channel.notify_name, channel.name))
-            return bool(last)
+            conn.execute(_PUBLISH_CLAIMED, params)
+            # A statement of its own, so its snapshot comes after the channel_state row lock above:
+            # of two producers completing the last positions at once, the second sees the first's.
+            return bool(conn.execute(_CLOSE_IF_LAST, params).fetchone()[0])
 
         return bool(self.db.run(work, op_id=f"complete-{uuid.uuid4().hex}"))

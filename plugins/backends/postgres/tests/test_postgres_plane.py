@@ -3,6 +3,7 @@ surviving a server restart, schemas of other streams, leases and a producer pool
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -322,6 +323,11 @@ def test_claims_never_overlap_and_a_dead_producers_claim_returns_to_the_pool(pos
         got = consumer.channel.poll(10, timeout=1)
         assert got == refs and consumer.channel.poll(1, timeout=1) == [] and consumer.channel.finished
         assert plane.metadata.stats() == {"committed": 6, "acked": 0, "duplicates": 0, "pending": 6}
+        # What a retry after a lost answer would return instead of claiming again: each claim's op record.
+        recorded = plane.metadata.db.run(lambda conn: conn.execute(
+            "SELECT result FROM ops WHERE op_id LIKE 'claim-%' ORDER BY result").fetchall())
+        assert sorted(json.loads(text) for (text,) in recorded) == [
+            [[0, 1], [1, 1]], [[0, 2], [1, 2]], [[2, 1], [3, 1]], [[4, 1], [5, 1]]]
     finally:
         plane.close()
         consumer.close()
