@@ -55,10 +55,10 @@ SELECT sample_id FROM fresh
 """
 
 # One statement: the acks and the durable step move only when every id is known; a sample
-# acked before keeps its first step (the ledger's primary key). ``ids`` are distinct.
-# ``known`` is an index probe per id whatever plan the server caches for the prepared
-# statement: a join against ``unnest(...)`` gets a generic plan that scans all of
-# ``samples``, made while the table was small, and every ack grew with the run.
+# acked before keeps its first step (the ledger's primary key). ``ids`` are distinct, so
+# ``known`` needs no join. ``ack`` has it planned at each call (``prepare=False``): a plan the
+# server cached for a prepared ack, made while ``samples`` was small, scanned the whole table,
+# and every ack grew with the run; planned afresh it probes the index once the table is large.
 _ACK = """
 WITH known AS (
     SELECT count(*) AS n FROM samples WHERE sample_id = ANY(%(ids)b::text[])
