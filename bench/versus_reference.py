@@ -58,9 +58,11 @@ KERNELS = {
         "ours_attention": {"cpu": "step-0 scores by matmul plus an additive causal/padding bias built once per "
                                   "batch, diagonal keys as row-wise dot products",
                            "cuda": "the same ops (cuBLAS matmuls, one fused bias add per step)"},
-        "ours_loss": {"cpu": "hand-written soft cross-entropy: logsumexp per position, no log_softmax kept; "
-                             "argmax metrics only",
-                      "cuda": "the same"},
+        "ours_loss": {"cpu": "the vocabulary head fused with the soft cross-entropy (specforge_plugin_eagle3."
+                             "head_loss): supervised rows only, in chunks whose logits stay in cache (one exp per "
+                             "logit, argmax from the same max pass), gradients by two GEMMs in forward; no [B, S, Vd] "
+                             "tensor kept for backward",
+                      "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per chunk)"},
         "reference_attention": {"cpu": "matmul scores, masked_fill with the dense S x S mask every step",
                                 "cuda": "the same"},
         "reference_loss": {"cpu": "full log_softmax per step, materialised", "cuda": "the same"},

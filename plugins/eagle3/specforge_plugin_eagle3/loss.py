@@ -14,13 +14,17 @@ supervised positions after the shifts) weigh less, as in the reference mean over
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from specforge_core.nn import linear
 
+from .head_loss import SoftTargets
 from .model import Eagle3Draft, shift_left
+
+#: ``score(rows [R, h], targets) -> (sum_r w_r CE, draft ids [R])``: the vocabulary head and its loss.
+Score = Callable[[torch.Tensor, SoftTargets], tuple[torch.Tensor, torch.Tensor]]
 
 
 def align(input_ids: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor,
@@ -99,71 +103,46 @@ def teacher(model: Eagle3Draft, last_hidden: torch.Tensor,
     return p_t, target_ids, position_mask
 
 
-class ShiftedSoftCrossEntropy(torch.autograd.Function):
-    """``sum_(b,t) w[b,t+k] * CE(p[b,t+k], z[b,t])`` over t < S-k, with its gradient written out.
-
-    CE(p, z) = -sum_v p_v log_softmax(z)_v = logsumexp(z) - p.z   (p sums to 1)
-    dCE/dz   = softmax(z) - p
-
-    Written by hand so that the backward keeps no [B, S, Vd] log-softmax per unroll step
-    (only the per-position logsumexp) and the shift by k needs neither a shifted copy of p
-    nor the zero-padded gradient that slicing the logits would cost in autograd.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
-        n = logits.shape[1] - shift
-        z = logits[:, :n].to(torch.promote_types(logits.dtype, torch.float32))  # [B, S-k, Vd]
-        lse = torch.logsumexp(z, dim=-1)  # [B, S-k]
-        ce = lse - (p[:, shift:] * z).sum(-1)
-        ctx.save_for_backward(logits, p, weight, lse)
-        ctx.shift = shift
-        return (ce * weight[:, shift:]).sum()
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, p, weight, lse = ctx.saved_tensors
-        shift = ctx.shift
-        n = logits.shape[1] - shift
-        grad = torch.empty(logits.shape, dtype=lse.dtype, device=logits.device)  # float32 (or float64)
-        grad[:, n:] = 0  # positions with no teacher this deep
-        body = grad[:, :n]
-        torch.sub(logits[:, :n], lse[..., None], out=body)
-        body.exp_().sub_(p[:, shift:]).mul_((weight[:, shift:] * grad_out)[..., None])  # (softmax - p) * w
-        return grad.to(logits.dtype), None, None, None
-
-
-def ttt_loss(step_logits: list[torch.Tensor], p_t: torch.Tensor, target_ids: torch.Tensor,
+def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, target_ids: torch.Tensor,
              position_mask: torch.Tensor, loss_mask: torch.Tensor, d2t: torch.Tensor,
              decay: float) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """The unrolled loss and its ratio metrics.
 
-    ``step_logits[k] [B, S, Vd]`` at position t is supervised by the teacher at t+k: the
+    ``step_hidden[k] [B, S, h]`` at position t is supervised by the teacher at t+k: the
     ALGORITHMS.md left shift of p_T, position_mask and loss_mask by one per step (zero
-    fill), written as slices (``x[:, k:]`` against ``logits[:, :S-k]``) so nothing is copied.
+    fill). Only supervised rows reach the vocabulary head: the teacher rows j with
+    ``position_mask[j]`` are found once, and step k scores hidden row j-k against teacher
+    row j (rows with j < k have no hidden row that deep; they are scored with weight 0).
+    ``score(rows [R, h], targets)`` returns ``(sum_r w_r CE, draft ids [R])``
+    (the draft's ``lm_head(norm(rows), targets)``, :mod:`.head_loss`).
 
     Ratio metrics: ``loss`` (sum_k decay^k S_k, N_0), ``ploss_k`` (S_k, N_k), and ``acc_k``
     (#[d2t(argmax logits_k) == target argmax] over loss_mask_k, #loss_mask_k) — the mask is
     loss_mask_k, not position_mask_k, so a target token outside the draft vocabulary counts
-    as a miss, as it would when serving.
+    as a miss, as it would when serving (such a position can never be right, so only
+    supervised rows need their argmax).
     """
-    s = p_t.shape[1]
-    weight = position_mask.float()
-    total = p_t.new_zeros(())
+    b, s = position_mask.shape
+    teacher_rows = position_mask.reshape(-1).nonzero().squeeze(1)  # j = b*S + t, one host sync per batch
+    depth = teacher_rows % s
+    p_rows, wanted = p_t.reshape(b * s, -1), target_ids.reshape(-1)[teacher_rows]
+    total = p_t.new_zeros((), dtype=torch.float32)
     counts: list[torch.Tensor] = []  # S_k, N_k, correct_k, M_k per step: moved to the host at once
-    for k, logits in enumerate(step_logits):
-        step_sum = ShiftedSoftCrossEntropy.apply(logits, p_t, weight, k)
+    for k, hidden in enumerate(step_hidden):
+        live = depth >= k
+        rows = torch.where(live, teacher_rows - k, teacher_rows)
+        weight = live.to(torch.float32)
+        step_sum, draft_ids = score(hidden.reshape(b * s, -1).index_select(0, rows),
+                                    SoftTargets(p_rows, teacher_rows, weight))
         total = total + decay ** k * step_sum
         with torch.no_grad():
-            lmask = loss_mask[:, k:].bool()
-            draft_ids = logits[:, : s - k].argmax(-1)
-            correct = ((draft_ids + d2t[draft_ids] == target_ids[:, k:]) & lmask).sum()
-            counts += [step_sum.detach(), weight[:, k:].sum(), correct.float(), lmask.sum().float()]
-    supervised = weight.sum()
+            correct = ((draft_ids + d2t[draft_ids] == wanted) & live).sum()
+            counts += [step_sum.detach(), weight.sum(), correct.float(), loss_mask[:, k:].sum().float()]
+    supervised = position_mask.sum().float()
     loss = total / supervised.clamp(min=1)
     values = torch.stack([total.detach(), supervised, *counts]).double().cpu().tolist()  # one device sync
     ratios: dict[str, tuple[float, float]] = {"loss": (values[0], values[1])}
-    for k in range(len(step_logits)):
+    for k in range(len(step_hidden)):
         step_sum, n_k, correct, m_k = values[2 + 4 * k: 6 + 4 * k]
         ratios[f"ploss_{k}"] = (step_sum, n_k)
         ratios[f"acc_{k}"] = (correct, m_k)

@@ -28,6 +28,8 @@ from torch import nn
 from specforge_core.dtypes import torch_dtype
 from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
+from .head_loss import DraftHead
+
 
 @attrs.frozen(kw_only=True)
 class Eagle3Config:
@@ -231,7 +233,7 @@ class Eagle3Draft(nn.Module):
         self.fc = Linear(3 * big_h, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(v, dtype=torch.bool) if config.draft_vocab_size == v
                              else torch.zeros(v, dtype=torch.bool))
@@ -274,11 +276,17 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ training
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor,
                 ttt_length: int) -> list[torch.Tensor]:
-        """The test-time-training unroll.
+        """The test-time-training unroll's logits: ``ttt_length`` tensors [B, S, Vd];
+        ``logits[k][:, t]`` predicts token t+2+k (the target's distribution at t+1+k). See :meth:`unroll`."""
+        return [self.logits(hidden) for hidden in self.unroll(input_ids, aux_hidden, attention_mask, ttt_length)]
+
+    def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor,
+               ttt_length: int) -> list[torch.Tensor]:
+        """The test-time-training unroll: ``h_1 .. h_K`` [B, S, h], before the final norm.
 
         input_ids [B, S]: *aligned* ids (token t+1 at position t); aux_hidden [B, S, 3H];
-        attention_mask [B, S] (1 = real token). Returns ``ttt_length`` logits [B, S, Vd];
-        ``logits[k][:, t]`` predicts token t+2+k (the target's distribution at t+1+k).
+        attention_mask [B, S] (1 = real token). ``lm_head(norm(h_{k+1}))`` at position t predicts
+        token t+2+k; the loss applies the head to the rows it supervises only (:mod:`.head_loss`).
         """
         s = input_ids.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
@@ -290,7 +298,7 @@ class Eagle3Draft(nn.Module):
         for k in range(ttt_length):
             cos, sin = self.rope(positions + k)  # RoPE positions +k at step k
             hidden = self.midlayer(self.embed(ids), hidden, cos, sin, kv, mask0, step0=k == 0)  # h_{k+1}
-            out.append(self.logits(hidden))
+            out.append(hidden)
             ids = shift_left(ids)  # step k+1 at position t consumes token t+2+k; hidden stays in place
         return out
 

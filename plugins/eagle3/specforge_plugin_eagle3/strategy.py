@@ -129,10 +129,12 @@ class Eagle3Strategy:
         ids, loss_mask, last_hidden = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"],
                                             attention_mask, self.options.loss_positions)
         p_t, target_ids, position_mask = teacher(model, last_hidden, loss_mask)
-        step_logits = model(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length)
-        loss, ratios = ttt_loss(step_logits, p_t, target_ids, position_mask, loss_mask, model.d2t,
-                                self.options.loss_decay)
+        step_hidden = model.unroll(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length)
+        loss, ratios = ttt_loss(step_hidden, lambda rows, targets: model.lm_head(model.norm(rows), targets),
+                                p_t, target_ids, position_mask, loss_mask, model.d2t, self.options.loss_decay)
         if not getattr(ctx, "training", True):  # the decode replay: eval only (a host-side walk per sample)
+            with torch.no_grad():
+                step_logits = [model.logits(hidden) for hidden in step_hidden]
             ratios.update(simulated_acceptance(step_logits, target_ids, batch["loss_mask"], model.d2t))
         return StepOutput(loss=loss, ratio_metrics=ratios)
 

@@ -12,6 +12,7 @@ from specforge_core.training.distributed import DistInfo
 
 from specforge_plugin_eagle3 import Eagle3Options
 from specforge_plugin_eagle3.export import EXPORT_KEYS
+from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
 from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
 from specforge_core.nn import apply_rope
 from specforge_plugin_eagle3.model import additive_mask, repeat_kv, shift_left, ttt_attention, ttt_key_mask
@@ -216,7 +217,8 @@ def test_ttt_loss_matches_a_hand_computation():
     position_mask = torch.tensor([[True, False, True]])
     logits = [torch.tensor([[[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]]]),
               torch.tensor([[[0.5, 0.5], [2.0, 0.0], [0.0, 0.0]]])]
-    loss, ratios = ttt_loss(logits, p_t, target_ids, position_mask, loss_mask, d2t, decay=0.5)
+    identity_head = lambda rows, targets: head_soft_cross_entropy(rows, torch.eye(2), targets)  # noqa: E731
+    loss, ratios = ttt_loss(logits, identity_head, p_t, target_ids, position_mask, loss_mask, d2t, decay=0.5)
 
     def ce(p, z):
         log_norm = math.log(sum(math.exp(v) for v in z))
@@ -375,18 +377,50 @@ def test_collate_refuses_samples_that_miss_a_feature_or_disagree_on_length():
         strategy.collate([short], ["x"])
 
 
-def test_the_hand_written_soft_cross_entropy_gradient_matches_autograd():
-    from specforge_plugin_eagle3.loss import ShiftedSoftCrossEntropy
+@pytest.mark.parametrize("chunk", [16, 3])
+def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(monkeypatch, chunk):
+    """Rows 0..6 of 7-wide hidden states against an 11-token head, teacher rows picked by index, one row
+    weighted 0; in one chunk and in chunks of 3 rows (the last one short)."""
+    from specforge_plugin_eagle3 import head_loss
+    from specforge_plugin_eagle3.head_loss import HeadSoftCrossEntropy, SoftTargets
 
+    monkeypatch.setattr(head_loss, "MIN_CHUNK_ROWS", chunk)
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 1)
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
-    p = torch.softmax(torch.randn(2, 5, 7, generator=gen, dtype=torch.float64), -1)
-    weight = torch.tensor([[1.0, 0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
-    for shift in (0, 2, 5):
-        got = ShiftedSoftCrossEntropy.apply(logits, p, weight, shift)
-        (grad,) = torch.autograd.grad(got, logits)
-        n = 5 - shift
-        want = -(p[:, shift:] * torch.log_softmax(logits[:, :n], -1)).sum(-1).mul(weight[:, shift:]).sum()
-        (want_grad,) = torch.autograd.grad(want, logits)
-        assert torch.allclose(got, want) and torch.allclose(grad, want_grad)
-    assert torch.autograd.gradcheck(lambda z: ShiftedSoftCrossEntropy.apply(z, p, weight, 1), (logits,))
+    x = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(9, 11, generator=gen, dtype=torch.float64), -1)
+    rows = torch.tensor([8, 0, 3, 3, 5, 1, 7])
+    row_weight = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    total, draft = head_soft_cross_entropy(x, weight, SoftTargets(p, rows, row_weight))
+    logits = x @ weight.t()
+    want = -(p[rows] * torch.log_softmax(logits, -1)).sum(-1).mul(row_weight).sum()
+    assert total.item() == pytest.approx(want.item(), rel=1e-12)
+    assert draft.tolist() == logits.argmax(-1).tolist() and not draft.requires_grad
+    got_grads = torch.autograd.grad(2.5 * total, (x, weight))
+    want_grads = torch.autograd.grad(2.5 * want, (x, weight))
+    assert all(torch.allclose(g, w) for g, w in zip(got_grads, want_grads))
+    assert torch.autograd.gradcheck(lambda a, w: HeadSoftCrossEntropy.apply(a, w, p, rows, row_weight)[0],
+                                    (x, weight))
+    with torch.no_grad():  # no gradients wanted: the same sum and argmax
+        again, again_draft = head_soft_cross_entropy(x, weight, SoftTargets(p, rows, row_weight))
+    assert again.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(again_draft, draft)
+
+
+def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloat16_gradients():
+    from specforge_plugin_eagle3.head_loss import SoftTargets
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(64, 16, generator=gen) / 4).to(torch.bfloat16).requires_grad_()
+    p = torch.softmax(torch.randn(40, 64, generator=gen), -1)
+    targets = SoftTargets(p, torch.arange(40), torch.ones(40))
+    total, _ = head_soft_cross_entropy(x, weight, targets)
+    total.backward()
+    x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    want = -(p * torch.log_softmax(x32 @ w32.t(), -1)).sum()
+    want.backward()
+    assert total.dtype == torch.float32 and total.item() == pytest.approx(want.item(), rel=1e-4)
+    assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(x.grad.float(), x32.grad, atol=2e-3) and torch.allclose(weight.grad.float(), w32.grad,
+                                                                                     atol=2e-3)

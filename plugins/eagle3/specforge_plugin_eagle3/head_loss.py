@@ -1,0 +1,115 @@
+"""The draft vocabulary head and its soft cross-entropy, fused: no ``[B, S, Vd]`` tensor per unroll step.
+
+For the rows r a step supervises (its hidden rows x_r, already final-normed, the teacher
+rows p_(j_r) and the row weights w_r)::
+
+    z_r   = x_r W^T                                   [R, Vd] logits, computed a chunk of rows at a time
+    S     = sum_r w_r (logsumexp(z_r) - p_r . z_r)    = sum_r w_r CE(p_r, z_r), since p_r sums to 1
+    dz_r  = w_r (softmax(z_r) - p_r)
+    dx    = dz W,   dW = dz^T x                       two GEMMs over all rows, in forward
+
+Each chunk's logits stay in the CPU cache while the logsumexp, the dot product, the argmax
+and the gradient run over them (written straight into the rows of ``dz``), and rows the
+step does not supervise are never computed. The input gradients are computed in forward
+and only scaled in backward, so what a step keeps for backward is ``dx [R, h]`` and
+``dW [Vd, h]``, not its logits. On CUDA the same ops run on cuBLAS and elementwise kernels;
+bf16/fp16 on a CPU without bf16 GEMM instructions runs its GEMMs in float32
+(:func:`specforge_core.nn.upcast_half_gemm_on_cpu`).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from specforge_core.nn import Linear, upcast_half_gemm_on_cpu
+
+#: Elements of one chunk's float32 logits (2 MiB): rows per chunk = this / Vd, at least MIN_CHUNK_ROWS.
+CHUNK_ELEMENTS = 1 << 19
+MIN_CHUNK_ROWS = 16
+
+
+@attrs.frozen
+class SoftTargets:
+    """What a step's loss reads: ``p [N, Vd]`` float teacher rows, ``rows [R]`` the teacher row of each
+    supervised hidden row, ``weight [R]`` float row weights (0: computed but not counted)."""
+
+    p: torch.Tensor
+    rows: torch.Tensor
+    weight: torch.Tensor
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk of logits for a ``vocab``-wide head."""
+    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def _gemm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if half and weight.device.type == "cpu" and upcast_half_gemm_on_cpu() else weight.dtype
+
+
+class HeadSoftCrossEntropy(torch.autograd.Function):
+    """``(S, argmax)`` of the module docstring for ``x [R, h]``, ``weight [Vd, h]`` and :class:`SoftTargets`
+    given as tensors; the argmax (draft ids, ``[R]``) carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, teacher_rows: torch.Tensor,
+                row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, vocab = x.shape[0], weight.shape[0]
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        gemm = _gemm_dtype(x, weight)
+        acc = torch.promote_types(gemm, torch.float32)  # the logits' and the sums' dtype
+        x_g, w_g = x.to(gemm), weight.to(gemm)
+        step = chunk_rows(vocab)
+        # with gradients every row's dz is kept for the two GEMMs; without, one chunk is reused
+        dz = torch.empty(rows if grads else min(rows, step), vocab, dtype=acc, device=x.device)
+        draft = torch.empty(rows, dtype=torch.long, device=x.device)
+        total = torch.zeros((), dtype=acc, device=x.device)
+        for start in range(0, rows, step):
+            end = min(start + step, rows)
+            z = dz[start:end] if grads else dz[:end - start]
+            if gemm == acc:
+                torch.mm(x_g[start:end], w_g.t(), out=z)
+            else:
+                z.copy_(x_g[start:end] @ w_g.t())
+            p_c, w_c = p.index_select(0, teacher_rows[start:end]).to(acc), row_weight[start:end].to(acc)
+            dot = torch.linalg.vecdot(p_c, z)  # p . z, before z is overwritten
+            peak, ids = z.max(dim=-1)  # one pass for the argmax and the logsumexp's shift
+            draft[start:end] = ids
+            mass = z.sub_(peak[:, None]).exp_().sum(-1)  # z now holds exp(z - max): one exp per logit
+            total += ((peak + mass.log() - dot) * w_c).sum()
+            if grads:  # dz = w (softmax - p), in place
+                z.mul_((1 / mass)[:, None]).sub_(p_c).mul_(w_c[:, None])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (dz.to(gemm) @ w_g).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (dz.to(gemm).t() @ x_g).to(weight.dtype)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.mark_non_differentiable(draft)
+        return total, draft
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_draft: torch.Tensor | None):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_total
+        return (None if grad_x is None else grad_x * scale.to(grad_x.dtype),
+                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None, None)
+
+
+def head_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
+                            targets: SoftTargets) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_r w_r CE(p_(rows_r), x_r W^T), argmax_r x_r W^T)`` (see :class:`HeadSoftCrossEntropy`)."""
+    return HeadSoftCrossEntropy.apply(x, weight, targets.p, targets.rows, targets.weight)
+
+
+class DraftHead(Linear):
+    """The draft's ``lm_head``: a :class:`~specforge_core.nn.Linear` (same parameter, same state-dict key)
+    whose call with ``targets`` returns the fused loss and draft ids of :func:`head_soft_cross_entropy`
+    instead of logits. Being the module's own call, it sees the weight as FSDP2 gathers it for forward."""
+
+    def forward(self, x: torch.Tensor, targets: SoftTargets | None = None):  # type: ignore[override]
+        if targets is None:
+            return super().forward(x)
+        return head_soft_cross_entropy(x, self.weight, targets)
