@@ -55,9 +55,11 @@ KERNELS = {
                 "heads": "Domino's GRU/correction and DSpark's Markov/confidence heads are the model's modules in "
                          "both paths"},
     "eagle3": {
-        "ours_attention": {"cpu": "step-0 scores by matmul plus an additive causal/padding bias built once per "
-                                  "batch, diagonal keys as row-wise dot products",
-                           "cuda": "the same ops (cuBLAS matmuls, one fused bias add per step)"},
+        "ours_attention": {"cpu": "step-0 keys by the flash kernel for CPU, causal (masked half skipped, no S x S "
+                                  "scores kept), diagonal keys as row-wise dot products merged by log-sum-exp, its "
+                                  "backward the flash backward given the merged output and log-sum-exp",
+                           "cuda": "step-0 scores by cuBLAS matmul plus an additive causal bias built once per batch, "
+                                   "diagonal keys as row-wise dot products"},
         "ours_loss": {"cpu": "the vocabulary head fused with the soft cross-entropy (specforge_plugin_eagle3."
                              "head_loss): supervised rows only, in chunks whose logits stay in cache (one exp per "
                              "logit, argmax from the same max pass), gradients by two GEMMs in forward; no [B, S, Vd] "

@@ -99,7 +99,81 @@ class DraftKV:
         self.v0 = v if self.v0 is None else torch.cat([self.v0, v], dim=2)
 
 
-def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | None,
+#: ``mask0`` for right-padded training batches: step-0 keys visible causally (see :func:`ttt_attention`).
+CAUSAL = "causal"
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal flash attention on CPU: ``(out [B, nh, S, d], logsumexp [B, nh, S] float32)``; GQA native."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+
+
+def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, nkv, S, d]`` -> ``[B, nkv * groups, S, d]`` as a view (query head h reads kv head h // groups)."""
+    b, nkv, t, d = x.shape
+    return x[:, :, None].expand(b, nkv, groups, t, d).reshape(b, nkv * groups, t, d) if groups > 1 else x
+
+
+def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_heads`: ``[B, nkv * groups, S, d]`` summed back to ``[B, nkv, S, d]``."""
+    b, nh, t, d = x.shape
+    return x.view(b, nh // groups, groups, t, d).sum(2) if groups > 1 else x
+
+
+class _CausalPlusDiagonal(torch.autograd.Function):
+    """:func:`ttt_attention` with causal step-0 keys, on CPU: the flash kernel over ``k0`` (it skips the
+    masked half and keeps no S x S scores), the diagonal keys as row-wise dot products, merged by their
+    log-sum-exp::
+
+        L   = log(exp(lse_0) + sum_j exp(s_j))           s_j = scale * q . k_j (query t, key j at t)
+        out = exp(lse_0 - L) o_0 + sum_j exp(s_j - L) v_j
+
+    Backward hands the flash kernel's backward the merged ``out`` and ``L``: it recomputes the
+    step-0 probabilities as ``exp(scale q.k - L)``, which are the merged softmax's, and its
+    ``rowsum(dout * out)`` is the merged one, so its gradients are those of the whole attention;
+    the diagonal terms' gradients are written out here.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
+                *diag: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k0.shape[1]
+        out0, lse0 = _flash_cpu(q, k0, v0, scale)
+        keys, values = diag[0::2], diag[1::2]
+        scores = [(q * _heads(k, groups)).sum(-1).float() * scale for k in keys]  # [B, nh, S] each
+        lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
+        out = out0.float() * (lse0 - lse).exp_()[..., None]
+        for s_j, v in zip(scores, values):
+            out += (s_j - lse).exp_()[..., None] * _heads(v, groups)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k0, v0, out, lse, *diag)
+        ctx.scale, ctx.groups = scale, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        scale, groups = ctx.scale, ctx.groups
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k0, grad_v0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k0, v0, out, lse, 0.0, True, scale=scale)
+        grads: list[torch.Tensor] = []
+        if diag:
+            grad_q = grad_q.float()
+            g32 = grad_out.float()
+            total = (g32 * out.float()).sum(-1)  # rowsum(dout * out), the softmax backward's shift
+            for k, v in zip(diag[0::2], diag[1::2]):
+                k_h, v_h = _heads(k, groups).float(), _heads(v, groups).float()
+                p_j = ((q.float() * k_h).sum(-1) * scale - lse).exp_()  # [B, nh, S]
+                d_score = p_j * ((g32 * v_h).sum(-1) - total)
+                grad_q += (d_score * scale)[..., None] * k_h
+                grads += [_per_kv_head((d_score * scale)[..., None] * q.float(), groups).to(k.dtype),
+                          _per_kv_head(p_j[..., None] * g32, groups).to(v.dtype)]
+            grad_q = grad_q.to(q.dtype)
+        return (grad_q, grad_k0, grad_v0, None, *grads)
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | str | None,
                   diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Attention over step-0 keys (masked by ``mask0``) plus one diagonal key per extra step.
 
@@ -110,7 +184,16 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     its score is a row-wise dot product instead of an S x S block that would be all masked
     but its diagonal. Equivalent to dense attention over ``[k0; k1; ...; kk]`` with the mask
     of :func:`ttt_key_mask`. Returns [B, nh, S, d].
+
+    ``mask0`` :data:`CAUSAL` (training on right-padded rows, T = S): query t sees step-0 keys
+    s <= t, which is the bool mask's pattern wherever it matters (a padded key is after every
+    real query); on CPU that runs as :class:`_CausalPlusDiagonal`, elsewhere as the bias.
     """
+    if isinstance(mask0, str):
+        if q.device.type == "cpu":
+            return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, *(t for pair in diag for t in pair))
+        s = q.shape[2]
+        mask0 = additive_mask(torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None])
     groups = q.shape[1] // k0.shape[1]
     q = q * q.shape[-1] ** -0.5  # scale the queries, not the S x T scores
     scores = torch.matmul(q, repeat_kv(k0, groups).transpose(2, 3)).float()  # [B, nh, S, T]
@@ -125,6 +208,12 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     for j, (_, v) in enumerate(diag):
         out = out + probs[..., t + j, None] * repeat_kv(v, groups)
     return out
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of ``attention_mask [B, S]`` is its real tokens followed by padding only."""
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] <= mask[:, :-1]).all()) if mask.shape[1] > 1 else True
 
 
 def additive_mask(visible: torch.Tensor) -> torch.Tensor:
@@ -150,7 +239,7 @@ def ttt_key_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DraftKV, mask0: torch.Tensor | None,
+def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DraftKV, mask0: torch.Tensor | str | None,
                       step0: bool) -> torch.Tensor:
     """Add this step's keys to ``kv`` (step 0: ``kv.k0``; later steps: ``kv.diag``) and attend over them.
 
@@ -177,7 +266,7 @@ class Eagle3Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
-                mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
+                mask0: torch.Tensor | str | None, step0: bool) -> torch.Tensor:
         """x [B, S, 2h] -> [B, S, h]. Step 0 appends its keys to ``kv.k0``; later steps to ``kv.diag``."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, S, d]
@@ -201,7 +290,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
-                mask0: torch.Tensor | None, step0: bool) -> torch.Tensor:
+                mask0: torch.Tensor | str | None, step0: bool) -> torch.Tensor:
         """emb, hidden [B, S, h] -> the next hidden [B, S, h] (before the final norm)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2h]
         hidden = hidden + self.self_attn(x, cos, sin, kv, mask0, step0)
@@ -289,8 +378,10 @@ class Eagle3Draft(nn.Module):
         token t+2+k; the loss applies the head to the rows it supervises only (:mod:`.head_loss`).
         """
         s = input_ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
-        mask0 = additive_mask((causal[None] & attention_mask.bool()[:, None, :])[:, None])  # [B, 1, S, S], once
+        mask0: torch.Tensor | str = CAUSAL
+        if not right_padded(attention_mask):
+            causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+            mask0 = additive_mask((causal[None] & attention_mask.bool()[:, None, :])[:, None])  # [B, 1, S, S], once
         positions = torch.arange(s, device=input_ids.device)
         hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # h_0 [B, S, h]
         kv = DraftKV()

@@ -15,7 +15,8 @@ from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
 from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
 from specforge_core.nn import apply_rope
-from specforge_plugin_eagle3.model import additive_mask, repeat_kv, shift_left, ttt_attention, ttt_key_mask
+from specforge_plugin_eagle3.model import (CAUSAL, additive_mask, repeat_kv, right_padded, shift_left, ttt_attention,
+                                          ttt_key_mask)
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 from specforge_plugin_eagle3.testing import V, tiny_batch, tiny_target
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
@@ -81,6 +82,28 @@ def test_attention_with_the_additive_bias_built_once_equals_the_boolean_mask_in_
         results.append([out.detach().float(), *(t.grad.float() for t in (q, k0, v0, k1, v1))])
     for got, want in zip(results[1], results[0]):
         assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("diagonals", [0, 1, 3])
+def test_causal_flash_attention_plus_diagonal_keys_equals_the_boolean_mask_on_real_rows(diagonals):
+    """CAUSAL (the CPU flash kernel over the step-0 keys, diagonal keys merged by log-sum-exp) against the
+    bool mask of a right-padded batch: equal outputs at the real queries and equal gradients of a loss
+    over them, GQA included."""
+    gen = torch.Generator().manual_seed(2)
+    b, nh, nkv, s, d = 2, 4, 2, 9, 8
+    attention_mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    assert right_padded(attention_mask) and not right_padded(torch.tensor([[0, 1, 1]]))
+    real = attention_mask.bool()[:, None, :, None]  # [B, 1, S, 1]: the queries that count
+    tensors = [torch.randn(b, n, s, d, generator=gen) for n in (nh, nkv, nkv) + (nkv, nkv) * diagonals]
+    results = []
+    for mask in (ttt_key_mask(attention_mask, 0)[:, None], CAUSAL):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        q, k0, v0, *rest = leaves
+        out = ttt_attention(q, k0, v0, mask, list(zip(rest[0::2], rest[1::2])))
+        (out * real * torch.linspace(-1, 1, d)).sum().backward()
+        results.append([(out * real).detach(), *(t.grad for t in leaves)])
+    for got, want in zip(results[1], results[0]):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_compact_attention_equals_dense_attention_under_the_pinned_mask():
