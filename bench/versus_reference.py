@@ -70,8 +70,10 @@ KERNELS = {
         "reference_loss": {"cpu": "full log_softmax per step, materialised", "cuda": "the same"},
     },
     "dflash_family": {
-        "ours_attention": {"cpu": "SDPA (flash attention for CPU, native GQA: no repeated K/V) per group of 4 "
-                                  "blocks over the context up to the group's last anchor plus the group's blocks",
+        "ours_attention": {"cpu": "flash attention for CPU (native GQA, float32), merged by log-sum-exp: per group "
+                                  "of 4 blocks over a view of the context up to the group's last anchor, and every "
+                                  "block over its own keys in one call; backward through the flash backward given "
+                                  "the merged output",
                            "cuda": "SDPA memory-efficient kernel per group (boolean mask)"},
         "ours_loss": {"cpu": "cross-entropy over chunks of 16 blocks, each checkpointed (logits recomputed in "
                              "backward) unless all blocks fit one chunk", "cuda": "the same"},

@@ -25,6 +25,7 @@ a resumed run draws exactly the same ones.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Sequence
 
@@ -181,6 +182,22 @@ class GroupedBlockAttention:
 
     seq_len: int  # S: the context keys precede the block keys
     groups: tuple[AttentionGroup, ...]
+    block_size: int = 0  # bs (0: not recorded)
+
+    @functools.cached_property
+    def context_bias(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:
+        """Per group, the context part of its mask as an additive float32 bias ``[B, 1, Qg, context]``
+        (0 = visible, -inf = not) and which query rows see no context key ``[B, 1, Qg]``; None for a
+        group with no context. Built once per batch, on first use, and shared by every layer."""
+        parts = []
+        for group in self.groups:
+            if group.context == 0:
+                parts.append(None)
+                continue
+            visible = group.mask[..., :group.context]
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            parts.append((bias.masked_fill_(~visible, float("-inf")), ~visible.any(-1)))
+        return tuple(parts)
 
 
 def grouped_block_attention(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: int, block_size: int,
@@ -201,4 +218,4 @@ def grouped_block_attention(anchors: torch.Tensor, lengths: torch.Tensor, seq_le
         last = min(first + blocks_per_group, anchors.shape[1])
         mask = block_attention_mask(anchors[:, first:last], lengths, context, block_size)[:, None]
         groups.append(AttentionGroup(first * block_size, last * block_size, context, mask))
-    return GroupedBlockAttention(seq_len, tuple(groups))
+    return GroupedBlockAttention(seq_len, tuple(groups), block_size)

@@ -61,6 +61,8 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: G
                    kernel: str) -> torch.Tensor:
     """:func:`attend` over ``pattern``'s groups: each group's queries against its context prefix and its own
     blocks' keys only. q ``[B, h, Q, d]``, k/v ``[B, kv, S+Q, d]`` (context keys first) -> ``[B, h, Q, d]``."""
+    if kernel == "sdpa" and q.device.type == "cpu" and pattern.block_size:
+        return _ContextPlusOwnBlock.apply(q, k, v, pattern)
     s = pattern.seq_len
     outputs = []
     for group in pattern.groups:
@@ -68,6 +70,96 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: G
         values = torch.cat([v[:, :, :group.context], v[:, :, s + group.start:s + group.end]], dim=2)
         outputs.append(attend(q[:, :, group.start:group.end], keys, values, group.mask, kernel))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash kernel for CPU: ``(out, logsumexp [B, h, Q] float32)``; GQA native, ``bias`` additive."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+
+
+def _single(x: torch.Tensor) -> torch.Tensor:
+    """Half precision as float32 (a copy), float32 as it is: the merged attention computes in float32 and
+    rounds its output once, as a half-precision kernel does, instead of once per part."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def _blockwise(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, h, N*bs, ...]`` -> ``[B*N, h, bs, ...]`` (a copy): each block its own batch row."""
+    b, h, q = x.shape[:3]
+    n = q // block_size
+    return x.reshape(b, h, n, block_size, *x.shape[3:]).transpose(1, 2).reshape(b * n, h, block_size, *x.shape[3:])
+
+
+def _unblockwise(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """The inverse of :func:`_blockwise`: ``[B*N, h, bs, ...]`` -> ``[B, h, N*bs, ...]``."""
+    bn, h, bs = x.shape[:3]
+    n = bn // batch
+    return x.reshape(batch, n, h, bs, *x.shape[3:]).transpose(1, 2).reshape(batch, h, n * bs, *x.shape[3:])
+
+
+class _ContextPlusOwnBlock(torch.autograd.Function):
+    """:func:`attend_grouped` on CPU without copying keys or attending other blocks' keys.
+
+    Two kinds of flash-kernel calls, merged by their log-sum-exp:
+
+    - every block's queries over its own block's keys, all blocks in one call (no mask);
+    - each group's queries over its context prefix, a view of the keys (no copy), with the
+      group's context mask as an additive bias (a row that sees no context key gets
+      log-sum-exp -inf, so it adds nothing).
+
+    Backward hands each call's flash backward the merged output and log-sum-exp: it then
+    recomputes the merged softmax's probabilities over its keys, and its ``rowsum(dout *
+    out)`` is the merged one, so the gradients are those of the attention over all keys.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                pattern: GroupedBlockAttention) -> torch.Tensor:
+        s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
+        inputs = q, k, v
+        q, k, v = _single(q), _single(k), _single(v)
+        own_q, own_k, own_v = _blockwise(q, bs), _blockwise(k[:, :, s:], bs), _blockwise(v[:, :, s:], bs)
+        own_out, own_lse = _flash_cpu(own_q, own_k, own_v)
+        out, lse = _unblockwise(own_out, batch).float(), _unblockwise(own_lse, batch)
+        for group, bias in zip(pattern.groups, pattern.context_bias):
+            if bias is None:
+                continue
+            rows = slice(group.start, group.end)
+            part_out, part_lse = _flash_cpu(q[:, :, rows], k[:, :, :group.context], v[:, :, :group.context],
+                                            bias[0])
+            part_lse = part_lse.masked_fill(bias[1], float("-inf"))  # the kernel says 0 for a row with no key
+            merged = torch.logaddexp(lse[:, :, rows], part_lse)
+            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - merged).exp_()[..., None]
+                               + part_out.float() * (part_lse - merged).exp_()[..., None])
+            lse[:, :, rows] = merged
+        ctx.save_for_backward(*inputs, out, lse)  # out and lse in float32, as the kernels' backward reads them
+        ctx.pattern = pattern
+        return out.to(inputs[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q_in, k_in, v_in, out, lse = ctx.saved_tensors
+        q, k, v, pattern = _single(q_in), _single(k_in), _single(v_in), ctx.pattern
+        s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
+        grad_out = _single(grad_out).contiguous()
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        own = backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
+                       _blockwise(v[:, :, s:], bs), _blockwise(out, bs), _blockwise(lse, bs), 0.0, False)
+        grad_q = _unblockwise(own[0], batch)
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        grad_k[:, :, s:], grad_v[:, :, s:] = _unblockwise(own[1], batch), _unblockwise(own[2], batch)
+        for group, bias in zip(pattern.groups, pattern.context_bias):
+            if bias is None:
+                continue
+            rows, keys = slice(group.start, group.end), slice(0, group.context)
+            part = backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                            lse[:, :, rows], 0.0, False, attn_mask=bias[0])
+            grad_q[:, :, rows] += part[0]
+            grad_k[:, :, keys] += part[1]
+            grad_v[:, :, keys] += part[2]
+        return grad_q.to(q_in.dtype), grad_k.to(k_in.dtype), grad_v.to(v_in.dtype), None
 
 
 class DFlashAttention(nn.Module):

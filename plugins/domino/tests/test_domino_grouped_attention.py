@@ -2,13 +2,13 @@
 
 import pytest
 
-from specforge_plugin_dflash.testing import grouped_vs_dense
+from specforge_plugin_dflash.testing import GROUPED_TOLERANCES, grouped_vs_dense
 
 from specforge_plugin_domino import DominoOptions
 from specforge_plugin_domino.strategy import DominoStrategy
 
 
-@pytest.mark.parametrize(("dtype", "loss_tol", "grad_tol"), [("float32", 1e-6, 1e-5), ("bfloat16", 1e-3, 1e-2)])
+@pytest.mark.parametrize(("dtype", "loss_tol", "grad_tol"), GROUPED_TOLERANCES)
 @pytest.mark.parametrize("shift_label", [True, False])
 def test_domino_step_in_groups_equals_the_dense_mask_step(dtype, loss_tol, grad_tol, shift_label):
     result = grouped_vs_dense(DominoStrategy, DominoOptions, dtype, group_blocks=2, emb_dim=16,

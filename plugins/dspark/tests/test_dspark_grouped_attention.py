@@ -2,13 +2,13 @@
 
 import pytest
 
-from specforge_plugin_dflash.testing import HIDDEN, grouped_vs_dense
+from specforge_plugin_dflash.testing import GROUPED_TOLERANCES, HIDDEN, grouped_vs_dense
 
 from specforge_plugin_dspark import DSparkOptions
 from specforge_plugin_dspark.strategy import DSparkStrategy
 
 
-@pytest.mark.parametrize(("dtype", "loss_tol", "grad_tol"), [("float32", 1e-6, 1e-5), ("bfloat16", 1e-3, 1e-2)])
+@pytest.mark.parametrize(("dtype", "loss_tol", "grad_tol"), GROUPED_TOLERANCES)
 def test_dspark_step_in_groups_equals_the_dense_mask_step(dtype, loss_tol, grad_tol):
     result = grouped_vs_dense(DSparkStrategy, DSparkOptions, dtype, group_blocks=2, markov_rank=16,
                               extra={"last_hidden": HIDDEN})
