@@ -40,30 +40,56 @@ def upcast_half_gemm_on_cpu() -> bool:
     return bool(flags) and not {"avx512_bf16", "amx_bf16"} & set(flags)
 
 
+#: Rows of an upcast linear are converted a chunk at a time, about this many float32 elements per chunk
+#: (256 KiB), so the float32 copies an upcast GEMM makes stay that small, not the size of its input.
+UPCAST_CHUNK_ELEMENTS = 1 << 16
+
+
+def _row_chunks(rows: int, width: int) -> list[slice]:
+    step = max(1, UPCAST_CHUNK_ELEMENTS // max(1, width))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 class _UpcastLinear(torch.autograd.Function):
     """``x @ w.T (+ b)`` with half-precision operands, computed as float32 GEMMs and rounded back.
 
-    Keeps only the half-precision inputs for backward (no float32 copies outlive the call).
+    Keeps only the half-precision inputs for backward (no float32 copies outlive the call), and
+    converts the rows a chunk at a time (:data:`UPCAST_CHUNK_ELEMENTS`), so the transient float32
+    copy of a large input is one chunk's, not the whole input's.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        weight32, bias32 = weight.float(), None if bias is None else bias.float()
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        for part in _row_chunks(rows.shape[0], max(rows.shape[1], weight.shape[0])):
+            out[part] = F.linear(rows[part].float(), weight32, bias32)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad32 = grad.float()
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad32 @ weight.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad32.reshape(-1, grad.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = grad32.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b
+        grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        weight32 = weight.float()
+        grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        for part in _row_chunks(rows.shape[0], max(rows.shape[1], weight.shape[0])):
+            grad32 = grad_rows[part].float()
+            if grad_x is not None:
+                grad_x[part] = grad32 @ weight32
+            if grad_w is not None:
+                grad_w.addmm_(grad32.t(), rows[part].float())
+            if grad_b is not None:
+                grad_b += grad32.sum(0)
+        return (None if grad_x is None else grad_x.view(x.shape),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(ctx.bias_dtype))
 
 
 #: A weight of at least this many elements is "large" for :func:`upcast_pays`.

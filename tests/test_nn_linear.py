@@ -29,9 +29,13 @@ def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_g
     assert upcast_half_gemm_on_cpu() is not bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
+@pytest.mark.parametrize("chunk_elements", [1 << 18, 64])  # all 15 rows at once; 4 rows a chunk, the last 3
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_upcast_linear_matches_float64_to_half_precision_rounding_in_output_and_gradients(half_gemm, dtype):
+def test_upcast_linear_matches_float64_to_half_precision_rounding_in_output_and_gradients(half_gemm, monkeypatch,
+                                                                                          dtype, chunk_elements):
     half_gemm("fp32")
+    monkeypatch.setattr(sf_nn, "UPCAST_CHUNK_ELEMENTS", chunk_elements)
+    assert len(sf_nn._row_chunks(15, 16)) == (1 if chunk_elements > 64 else 4)
     gen = torch.Generator().manual_seed(0)
     x64 = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64)
     w64, b64 = torch.randn(8, 16, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)
