@@ -51,6 +51,13 @@ def reduce_chunks(chunk_fn: ChunkFn, num_blocks: int, chunk_blocks: int) -> tupl
     return (total, *(torch.cat(list(tensors), dim=1) for tensors in zip(*pieces)))
 
 
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy ``[...]`` of ``logits [..., V]`` (taken in float32, float64 kept) against
+    ``labels [...]``."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
+
+
 def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: torch.Tensor,
                           chunk_blocks: int, *, weighting: LossWeighting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``Σ w·CE`` over ``labels``/``weights [B, N, bs]``, and the argmax predictions ``[B, N, bs]``.
@@ -65,13 +72,11 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
 
     def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_fn(start, end)  # [B, c, bs, V]
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        chunk_labels = labels[:, start:end]
-        ce = F.cross_entropy(logits.flatten(0, 2), chunk_labels.flatten(), reduction="none")
+        ce = cross_entropy(logits, labels[:, start:end])
         chunk_weights = weights[..., start:end, :]
         if weighting is not None and weighting.dpace:
-            chunk_weights = weighting.reweight(ce.view(chunk_labels.shape), chunk_weights)
-        return (ce * chunk_weights.flatten(-3)).sum(-1), logits.argmax(-1)
+            chunk_weights = weighting.reweight(ce, chunk_weights)
+        return (ce * chunk_weights).flatten(-3).sum(-1), logits.argmax(-1)
 
     zero = weights.new_zeros(weights.shape[:-3])
     total, predictions = reduce_chunks(chunk, labels.shape[1], chunk_blocks)

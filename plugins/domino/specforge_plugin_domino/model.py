@@ -75,11 +75,17 @@ class DominoBackbone(DFlashBackbone):
         """``embed_proj([h ; g])``: ``[.., H]`` and ``[.., g]`` -> ``[.., V]`` float32 logits."""
         return self.embed_proj(torch.cat([hidden, states], dim=-1)).float()
 
+    def corrected_suffix(self, base: torch.Tensor, hidden: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """The final logits of block positions ``>= suffix_start`` only: ``base_k + corr_k``, ``[.., bs - start, V]``
+        (below ``suffix_start`` the final logits are the base ones)."""
+        start = self.head_config.suffix_start
+        corrected = base[..., start:, :] + self.correction(hidden[..., start:, :], states[..., start:, :])
+        return corrected.to(base.dtype)
+
     def final_logits(self, base: torch.Tensor, hidden: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """Base logits ``[.., bs, V]`` with the correction added at block positions ``>= suffix_start``.
 
         ``hidden [.., bs, H]`` and ``states [.., bs, g]`` are the same positions' ``h_k`` and ``g_k``.
         """
         start = self.head_config.suffix_start
-        corrected = base[..., start:, :] + self.correction(hidden[..., start:, :], states[..., start:, :])
-        return torch.cat([base[..., :start, :], corrected.to(base.dtype)], dim=-2)
+        return torch.cat([base[..., :start, :], self.corrected_suffix(base, hidden, states)], dim=-2)

@@ -25,7 +25,7 @@ import torch
 
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
 from specforge_core.protocols import TargetInfo
-from specforge_plugin_dflash.loss import block_metrics, chunked_cross_entropy, no_anchor_samples
+from specforge_plugin_dflash.loss import block_metrics, cross_entropy, no_anchor_samples, reduce_chunks
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 from .config import DominoHeadConfig
@@ -63,31 +63,36 @@ class DominoStrategy(DFlashStrategy):
         blocks = self.draw_blocks(model, batch, ctx, label_shift=head.label_shift)
         hidden = self.block_hidden(model, batch, blocks)  # [B, N, bs, H]
         states = model.block_states(blocks.tokens)  # [B, N, bs, g]
-        bs = blocks.block_size
-
-        def both_heads(start: int, end: int) -> torch.Tensor:
-            """[B, c, 2·bs, V]: the blocks' base logits, then their final logits, side by side."""
-            base = model.logits(hidden[:, start:end])
-            return torch.cat([base, model.final_logits(base, hidden[:, start:end], states[:, start:end])], dim=2)
-
-        # Row 0 of the weights selects the base half of each block, row 1 the final half: one
-        # pass over the logits gives both weighted sums. (D-PACE reweights each row over its
-        # non-zero half only: the other half has weight 0, so it neither scales nor extends it.)
+        start = head.suffix_start
         weighting = self.loss_weighting
         position_weights = weighting.position_weights(blocks.weights, blocks.label_mask)
-        zeros = torch.zeros_like(position_weights)
-        weights = torch.stack([torch.cat([position_weights, zeros], -1), torch.cat([zeros, position_weights], -1)])
-        sums, predictions = chunked_cross_entropy(both_heads, blocks.labels.repeat(1, 1, 2), weights,
-                                                  self.options.logit_chunk_size, weighting=weighting)
-        base_ce, final_ce = sums
+
+        def both_heads(first: int, last: int) -> tuple[torch.Tensor, ...]:
+            """Blocks first:last: ``[Σ w·CE_base, Σ w·CE_final]`` and each head's argmax. The final logits
+            differ from the base ones only from ``suffix_start`` on, so only that suffix is computed and
+            scored again; below it the final head's cross-entropy and argmax are the base head's. (D-PACE
+            reweights each head from its own cross-entropies.)"""
+            hidden_part, labels = hidden[:, first:last], blocks.labels[:, first:last]
+            base = model.logits(hidden_part)  # [B, c, bs, V]
+            base_ce = cross_entropy(base, labels)
+            suffix = model.corrected_suffix(base, hidden_part, states[:, first:last])  # [B, c, bs - start, V]
+            final_ce = torch.cat([base_ce[..., :start], cross_entropy(suffix, labels[..., start:])], dim=-1)
+            weights = position_weights[:, first:last]
+            sums = torch.stack([(weighting.reweight(base_ce, weights) * base_ce).sum(),
+                                (weighting.reweight(final_ce, weights) * final_ce).sum()])
+            base_predictions = base.argmax(-1)
+            return sums, base_predictions, torch.cat([base_predictions[..., :start], suffix.argmax(-1)], dim=-1)
+
+        (base_ce, final_ce), base_predictions, predictions = reduce_chunks(
+            both_heads, blocks.labels.shape[1], self.options.logit_chunk_size)
         lam = self.base_loss_weight(ctx)
         loss, weight = weighting.normalize((1.0 - lam) * final_ce + lam * base_ce, position_weights,
                                            batch_size=blocks.anchors.shape[0])
         metrics = dict(label_mask=blocks.label_mask, keep=blocks.keep, label_shift=head.label_shift)
         ratios = {"final_loss": (float(final_ce.detach()), weight),
                   "base_loss": (float(base_ce.detach()), weight),
-                  **block_metrics(predictions[..., bs:], blocks.labels, **metrics),
-                  **block_metrics(predictions[..., :bs], blocks.labels, prefix="base_", **metrics),
+                  **block_metrics(predictions, blocks.labels, **metrics),
+                  **block_metrics(base_predictions, blocks.labels, prefix="base_", **metrics),
                   **no_anchor_samples(blocks.num_valid)}
         if not ctx.training:
             ratios.update(self.simulated_acceptance(model, batch, label_shift=head.label_shift))
