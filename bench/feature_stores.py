@@ -16,7 +16,8 @@ For each store and sample size this prints one JSON line:
   sample at a time, each get followed by its copy: the least favourable order for the
   get's fixed cost, since each copy flushes the CPU caches the next get runs from.
   ``batch_get_vs_raw_read`` reads ``batch`` samples at a time the way the feature loader
-  does (the batch's gets, then the collate's copies) against raw reads of as many files;
+  does (``get_batch``: the batch's gets, then the collate's copies, with the checksums of a
+  verifying store on another thread beside the copies) against raw reads of as many files;
   samples so large that four batches would not fit the pool are read one at a time
   (``batch`` says how many were used). ``*_same_file`` is the one-sample comparison
   re-reading one file into one buffer: at 1 MiB that raw read runs at CPU-cache speed, a
@@ -135,8 +136,9 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
     bytes that are still cached from its previous repeat; get and raw read take different
     files of the pool at each step, round robin. Measured twice: one sample at a time (each
     get followed by its copy, the least favourable order: the copy flushes the CPU caches
-    the next get's Python code and data ran from), and ``batch`` samples at a time as the
-    feature loader reads them (the batch's gets, then the collate's copies).
+    the next get's Python code and data ran from), and ``batch`` samples at a time. Both read
+    through ``get_batch`` as the feature loader does (the gets, then the collate's copies;
+    with ``verify_checksums`` the checksums run on another thread beside the copies).
     """
     batch = max(1, min(batch, POOL_BYTES // (4 * nbytes(sample))))  # the pool holds >= 4 batches
     count = max(4 * batch, -(-POOL_BYTES // nbytes(sample)))
@@ -148,10 +150,12 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
         dests = [{name: torch.empty_like(t) for name, t in sample.items()} for _ in range(size)]
         buffers = [bytearray(file_bytes) for _ in range(size)]
 
-        def get_batch(first: int) -> None:
-            samples = [store.get(refs[(first + k) % count]) for k in range(size)]
+        def copy_all(samples: list[dict[str, torch.Tensor]]) -> None:
             for dest, tensors in zip(dests, samples):
                 copy_into(dest, tensors)
+
+        def get_batch(first: int) -> None:  # as the loader reads: with checksums, they run beside the copies
+            store.get_batch([refs[(first + k) % count] for k in range(size)], None, copy_all)
 
         def read_batch(first: int) -> None:
             for k, buffer in enumerate(buffers):

@@ -24,7 +24,7 @@ import functools
 import os
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import attrs
@@ -102,6 +102,11 @@ def _threads() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="specforge-crc")
         return _pool
+
+
+def submit_check(fn: Callable[[], object]) -> Future:
+    """Run ``fn`` on the checksum threads (a store's deferred checksum pass); its future."""
+    return _threads().submit(fn)
 
 
 def _gf2_multiply(polynomial: int, a: int, b: int) -> int:

@@ -430,6 +430,57 @@ def test_disk_flipped_data_byte_fails_the_checksum(damaged):
     _bystander_unharmed(store, bystander)
 
 
+def test_disk_batch_read_checksums_on_another_thread_while_then_runs_and_returns_its_result(damaged, monkeypatch):
+    import threading
+
+    from specforge_core.feature_stores import disk
+
+    from specforge_core.feature_stores import base
+
+    store, victim, bystander, _path = damaged
+    checked_on, real_verify = [], disk._verify
+    monkeypatch.setattr(disk, "_verify", lambda header, tensors: (checked_on.append(threading.current_thread().name),
+                                                                  real_verify(header, tensors)))
+    # a batch this small (8 KiB) is checked first, in the calling thread
+    store.get_batch([victim, bystander], None, len)
+    assert checked_on == [threading.current_thread().name] * 2
+    checked_on.clear()
+    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # as a batch of large samples is
+    gets_before = store.stats()["gets"]
+    got = store.get_batch([victim, bystander], None, lambda samples: [dict(s) for s in samples])
+    assert len(got) == 2 and got[0]["hidden_states"].shape == (64, 32)
+    assert_same_tensors(got[1], sample_tensors())
+    assert len(checked_on) == 2 and all(name.startswith("specforge-crc") for name in checked_on)
+    assert store.stats()["gets"] == gets_before + 2
+    # without checksums nothing is left for another thread: then gets the samples as get returns them
+    plain = disk_store(store.root, verify_checksums=False)
+    checked_on.clear()
+    assert plain.get_batch([bystander], ["input_ids"], lambda samples: list(samples[0])) == ["input_ids"]
+    assert checked_on == []
+
+
+def test_disk_batch_read_of_a_flipped_byte_raises_after_then_and_drops_its_result(damaged, monkeypatch):
+    from specforge_core.feature_stores import base
+
+    store, victim, bystander, path = damaged
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    calls = []
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its crc32"):
+        store.get_batch([bystander, victim], None, calls.append)  # small: checked before then, which never runs
+    assert calls == []
+    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # checked beside then
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its crc32"):
+        store.get_batch([bystander, victim], None, lambda samples: calls.append(len(samples)) or "batch")
+    assert calls == [2]  # the collate ran, its batch was never returned
+    with pytest.raises(CorruptFeatureError, match="delete it and capture"):  # a synchronous error stays one
+        path.write_bytes(bytes(data[:7]))
+        store.get_batch([victim], None, lambda samples: calls.append(len(samples)))
+    assert calls == [2]
+    _bystander_unharmed(store, bystander)
+
+
 def test_disk_records_the_plain_crc32c_of_large_tensors_and_catches_a_flip_in_any_block(tmp_path):
     store = disk_store(tmp_path / "store", verify_checksums=True)
     big = torch.randint(0, 256, (9 * 2**20 + 3,), dtype=torch.uint8)  # three crc blocks, the last one short

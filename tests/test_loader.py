@@ -1,5 +1,6 @@
 """FeatureDataLoader over real stores and channels."""
 
+import re
 import threading
 import time
 
@@ -132,6 +133,29 @@ def test_a_corrupt_sample_surfaces_with_its_file_name(tmp_path):
     loader = FeatureDataLoader(store, collate, refs=refs, batch_size=2, shuffle=False)
     with pytest.raises(CorruptFeatureError, match=victim.name):
         list(loader)
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 4  # nothing deleted
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_flipped_byte_in_a_verified_store_stops_its_batch_before_training_sees_it(tmp_path, monkeypatch, deferred):
+    """With verify_checksums the loader reads batches through get_batch; whether the checksums run first (a
+    small batch) or on another thread beside the collate, a sample that fails stops its batch."""
+    from specforge_core.feature_stores import base
+
+    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0 if deferred else 1 << 30)
+    store = DiskFeatureStore(DiskStoreOptions(path=str(tmp_path), verify_checksums=True), BuildContext())
+    refs = fill(store, 4)
+    victim = store.path_of(refs[3])
+    data = bytearray(open(victim, "rb").read())
+    data[-2] ^= 0x10
+    open(victim, "wb").write(bytes(data))
+    loader = FeatureDataLoader(store, collate, refs=refs, batch_size=2, shuffle=False)
+    seen = []
+    with pytest.raises(CorruptFeatureError, match=re.escape(victim) + r".*fails its crc32c check"):
+        for batch in loader:
+            seen.append(list(batch.sample_ids))
+    assert seen == [[ref.sample_id for ref in refs[:2]]]  # the first batch trained, the damaged one never
+    assert loader.stats["batches"] == 1 and loader.stats["collate_s"] > 0 and loader.stats["get_s"] > 0
     assert len(list(tmp_path.rglob("*.safetensors"))) == 4  # nothing deleted
 
 

@@ -13,13 +13,21 @@ import hashlib
 import hmac
 import threading
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
 from ..contracts import FeatureSpec, SampleRef
 from ..dtypes import dtype_name
+from ..checksums import submit_check
 from ..errors import FeatureStoreError, RecordError, SampleNotFoundError, StaleRefError, UnknownFeatureError
+
+T = TypeVar("T")
+
+#: :meth:`BaseFeatureStore.get_batch` runs deferred checks on another thread from this many bytes a batch
+#: (below, the thread hand-off cost more than the overlap saved: 1 MiB samples read alone,
+#: ``bench/feature_stores.py``).
+DEFER_CHECKS_FROM_BYTES = 2 << 20
 
 #: How many released / aborted sample ids a store remembers to explain a failed get.
 #: Bounded so that a long online run does not grow without limit; past it the message
@@ -206,6 +214,40 @@ class BaseFeatureStore:
             self._counts["gets"] += 1
         return tensors
 
+    def get_batch(self, refs: Sequence[SampleRef], keys: Sequence[str] | None, then: Callable[[list], T]) -> T:
+        """``then`` of the samples' tensors (each as :meth:`get` returns them), as one batch read.
+
+        ``then`` (a collate) must only read the tensors. A store whose reads have a check that can
+        run apart from the read (:meth:`_load_deferred`; the disk store's checksums) runs those
+        checks on a background thread while ``then`` runs here (batches of at least
+        :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first): a sample that fails raises
+        after ``then``, and ``then``'s result is never returned. Any other error raises as :meth:`get`'s.
+        """
+        samples, checks = [], []
+        for ref in refs:
+            self._check_ref(ref, "get")
+            tensors, check = self._load_deferred(ref, select_features(ref, keys))
+            samples.append(tensors)
+            if check is not None:
+                checks.append(check)
+        with self._lock:
+            self._counts["gets"] += len(samples)
+        if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
+                < DEFER_CHECKS_FROM_BYTES:
+            for check in checks:  # a small batch: handing the checks to a thread costs more than it overlaps
+                check()
+            checks = []
+        if not checks:
+            return then(samples)
+        pending = submit_check(lambda: [check() for check in checks])
+        try:
+            result = then(samples)
+        finally:
+            failure = pending.exception()  # waits: nothing is returned before its bytes are checked
+        if failure is not None:
+            raise failure
+        return result
+
     def release(self, ref: SampleRef) -> None:
         """Say the sample was consumed: a consume-once store frees it, a retaining store keeps it.
 
@@ -291,6 +333,12 @@ class BaseFeatureStore:
 
     def _store(self, draft: SampleRef, tensors: dict[str, torch.Tensor]) -> SampleRef:
         raise NotImplementedError
+
+    def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
+                                                                        Callable[[], None] | None]:
+        """The tensors of :meth:`_load`, and a check of them that :meth:`get_batch` may run later on another
+        thread (raising what :meth:`_load` would have), or None when the read checked everything."""
+        return self._load(ref, names), None
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -23,6 +23,7 @@ unpickles.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -30,7 +31,7 @@ import os
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import attrs
 import torch
@@ -90,7 +91,10 @@ class DiskFeatureStore(BaseFeatureStore):
       naming the file; a short or wrong tensor is never returned. The checksum pass
       (``verify_checksums``, off by default; the size and shape checks always run) reads
       every byte once more: with crc32c on the CPU's CRC instructions that pass is cheaper
-      than the copy that follows it (see ``bench/feature_stores.py``).
+      than the copy that follows it. ``get`` runs it before returning; ``get_batch`` (what
+      the feature loader calls) runs it on another thread while the collate copies the
+      same pages, and raises after the collate if a sample fails (see
+      ``bench/feature_stores.py``).
     - ``release`` deletes the file when ``consume_once``; deletions are not fsynced, since a
       file that a crash brings back costs disk space, never correctness (acks decide what
       was trained).
@@ -214,6 +218,19 @@ class DiskFeatureStore(BaseFeatureStore):
         return ref
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
+        header, tensors = self._map(ref, names)
+        if self.verify_checksums:
+            _verify(header, tensors)
+        return tensors
+
+    def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
+                                                                        Callable[[], None] | None]:
+        # get_batch: the checksum pass runs on another thread while the collate copies the same pages
+        header, tensors = self._map(ref, names)
+        return tensors, (functools.partial(_verify, header, tensors) if self.verify_checksums else None)
+
+    def _map(self, ref: SampleRef, names: list[str]) -> tuple[_Header, dict[str, torch.Tensor]]:
+        """The file's header and ``names``' tensors over its private map, every check but the checksums done."""
         # Kept to few Python steps and syscalls on purpose: with the CPU caches flushed by the
         # previous sample's copy, a get's cost is mostly its interpreter work
         # (bench/feature_stores.py).
@@ -260,14 +277,7 @@ class DiskFeatureStore(BaseFeatureStore):
                 if len(shape) != 1:  # frombuffer gives 1-D already: one dispatch less for ids and masks
                     tensor = tensor.view(shape)
             tensors[name] = tensor
-        if self.verify_checksums:
-            kind, crcs = _recorded_crcs(header)
-            for name, tensor in tensors.items():
-                actual = checksum(tensor, kind)
-                if actual != crcs.get(name):
-                    raise _corrupt(path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
-                                         f"read {actual}): its bytes changed after they were written")
-        return tensors
+        return header, tensors
 
     def _release(self, ref: SampleRef) -> bool:
         path = self._file(ref.sample_id, ref.generation)
@@ -436,6 +446,16 @@ def _check_stored_ref(header: _Header, ref: SampleRef) -> None:
                              "match its file name")
     if stored_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
         raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
+
+
+def _verify(header: _Header, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`CorruptFeatureError` unless each tensor's checksum is the one its file records."""
+    kind, crcs = _recorded_crcs(header)
+    for name, tensor in tensors.items():
+        actual = checksum(tensor, kind)
+        if actual != crcs.get(name):
+            raise _corrupt(header.path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
+                                        f"read {actual}): its bytes changed after they were written")
 
 
 def _recorded_crcs(header: _Header) -> tuple[ChecksumKind, dict[str, int]]:

@@ -144,6 +144,18 @@ class FeatureStoreConformance:
         want = sample_tensors()
         assert_same_tensors(got, {"loss_mask": want["loss_mask"], "input_ids": want["input_ids"]})
 
+    def test_a_batch_read_hands_then_what_get_returns_in_ref_order(self, store):
+        get_batch = getattr(store, "get_batch", None)
+        if get_batch is None:
+            pytest.skip("this store has no get_batch (the loader calls get)")
+        refs = [store.put(f"b{i}", sample_tensors(seed=i)) for i in range(3)]
+        got = get_batch(refs[::-1], ["input_ids", "loss_mask"],
+                        lambda samples: [{name: t.clone() for name, t in s.items()} for s in samples])
+        for tensors, i in zip(got, (2, 1, 0)):
+            want = sample_tensors(seed=i)
+            assert_same_tensors(tensors, {"input_ids": want["input_ids"], "loss_mask": want["loss_mask"]})
+        assert get_batch([], None, len) == 0
+
     def test_unknown_feature_name_raises_listing_the_available_ones(self, store):
         ref = store.put("s", sample_tensors())
         with pytest.raises(UnknownFeatureError) as error:
