@@ -100,8 +100,9 @@ class DFlashOptions:
         4, "Training attends in groups of at least this many neighbouring blocks: each group sees only the "
            "context up to its last anchor and its own blocks, not the whole [blocks*block_size, S + "
            "blocks*block_size] pattern (same result, less work). Groups grow so that there are at most 4 "
-           "(each holds its own copy of the context's keys and values: more groups would cost more memory "
-           "than the dense mask saves at the recipes' 512 anchors). 0 = one dense mask over all blocks.",
+           "(on CUDA each holds its own copy of the context's keys and values: more groups would cost more "
+           "memory than the dense mask saves at the recipes' 512 anchors; on CPU groups read views of them and "
+           "every block attends its own keys in one call). 0 = one dense mask over all blocks.",
         check=non_negative)
     compile: bool = option(
         False, "torch.compile each draft decoder layer (dynamic shapes; the attention over the block pattern "
