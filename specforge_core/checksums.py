@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 CRC_BLOCK = 4 << 20
 _pool: ThreadPoolExecutor | None = None
+_verifier: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
@@ -105,8 +106,16 @@ def _threads() -> ThreadPoolExecutor:
 
 
 def submit_check(fn: Callable[[], object]) -> Future:
-    """Run ``fn`` on the checksum threads (a store's deferred checksum pass); its future."""
-    return _threads().submit(fn)
+    """Run ``fn`` (a store's deferred checksum pass) on its own thread; its future.
+
+    Not on the block threads: a deferred pass over a zlib-crc32 file hands its blocks to those,
+    and waiting on them from one of their own workers could deadlock.
+    """
+    global _verifier
+    with _pool_lock:
+        if _verifier is None:
+            _verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specforge-verify")
+    return _verifier.submit(fn)
 
 
 def _gf2_multiply(polynomial: int, a: int, b: int) -> int:

@@ -450,7 +450,7 @@ def test_disk_batch_read_checksums_on_another_thread_while_then_runs_and_returns
     got = store.get_batch([victim, bystander], None, lambda samples: [dict(s) for s in samples])
     assert len(got) == 2 and got[0]["hidden_states"].shape == (64, 32)
     assert_same_tensors(got[1], sample_tensors())
-    assert len(checked_on) == 2 and all(name.startswith("specforge-crc") for name in checked_on)
+    assert len(checked_on) == 2 and all(name.startswith("specforge-verify") for name in checked_on)
     assert store.stats()["gets"] == gets_before + 2
     # without checksums nothing is left for another thread: then gets the samples as get returns them
     plain = disk_store(store.root, verify_checksums=False)
@@ -636,3 +636,30 @@ def test_a_feature_set_keeps_the_frozen_parts_of_a_target_with_tied_embeddings(t
     assert sorted(loaded) == ["embed_tokens", "lm_head", "norm"]
     assert torch.equal(loaded["embed_tokens"], embed) and torch.equal(loaded["lm_head"], embed)
     assert parts["lm_head"] is embed and parts["embed_tokens"] is embed
+
+
+def test_a_deferred_check_of_a_large_zlib_crc32_file_finishes_with_one_block_thread(tmp_path, monkeypatch):
+    """The deferred pass of get_batch runs on its own thread: a zlib-crc32 tensor split over the block
+    threads (three blocks here) completes even when there is a single block thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specforge_core import checksums
+    from specforge_core.feature_stores import base
+
+    monkeypatch.setattr(checksums, "_pool", ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-block"))
+    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    big = {"hidden_states": torch.randint(0, 256, (9 * 2**20,), dtype=torch.uint8)}
+    ref, path = _write_pre_crc32c_file(store, "old-big", big)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(store.get_batch(
+        [ref], None, lambda samples: samples[0]["hidden_states"].sum().item())), daemon=True)
+    reader.start()
+    reader.join(timeout=60)  # a deadlock fails here instead of hanging the suite
+    assert not reader.is_alive() and got == [int(big["hidden_states"].sum())]
+    data = bytearray(path.read_bytes())
+    data[-2**20] ^= 0x01  # in the last block
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32 check"):
+        store.get_batch([ref], None, len)
