@@ -110,14 +110,44 @@ def upcast_pays(rows: int, weight_numel: int) -> bool:
     return rows >= 4 and (rows >= 24 or weight_numel < LARGE_WEIGHT)
 
 
+def upcasts(rows: int, weight: torch.Tensor) -> bool:
+    """Whether ``rows`` rows through half-precision ``weight`` run as float32 GEMMs here: a CPU without bf16
+    GEMM instructions (:func:`upcast_half_gemm_on_cpu`) and enough rows to pay for it (:func:`upcast_pays`)."""
+    return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu" \
+        and upcast_half_gemm_on_cpu() and upcast_pays(rows, weight.numel())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except that bf16/fp16 on a CPU without bf16 GEMM instructions runs in float32
-    (:func:`upcast_half_gemm_on_cpu`) when enough rows share the weight (:func:`upcast_pays`); the
-    result has ``x``'s dtype either way."""
-    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and upcast_half_gemm_on_cpu() \
-            and upcast_pays(x.numel() // max(1, x.shape[-1]), weight.numel()):
+    when enough rows share the weight (:func:`upcasts`); the result has ``x``'s dtype either way."""
+    if x.dtype == weight.dtype and upcasts(x.numel() // max(1, x.shape[-1]), weight):
         return _UpcastLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                        bias: torch.Tensor | None = None, scale: float | None = None) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """The flash attention kernel for CPU: ``(out [B, h, Q, d], logsumexp [B, h, Q] float32)``.
+
+    q ``[B, h, Q, d]``, k/v ``[B, kv, K, d]`` (GQA taken as it is, strided views too); ``bias`` an
+    additive mask in q's dtype. A query row that sees no key gets output 0 and logsumexp 0, not -inf.
+    The logsumexp is what lets several calls over disjoint keys be merged, and what
+    :func:`cpu_flash_attention_backward` is given for the merged result.
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                      scale=scale)
+
+
+def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
+                                 bias: torch.Tensor | None = None,
+                                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_q, grad_k, grad_v)`` of :func:`cpu_flash_attention`'s call over these keys. Given the output
+    and logsumexp of an attention merged over more keys, the kernel recomputes this call's share of the
+    merged softmax and uses the merged ``rowsum(grad_out * out)``: the gradients are the merged attention's."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
 class Linear(nn.Linear):

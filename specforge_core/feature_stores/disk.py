@@ -218,14 +218,14 @@ class DiskFeatureStore(BaseFeatureStore):
         return ref
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
-        header, tensors = self._map(ref, names)
-        if self.verify_checksums:
-            _verify(header, tensors)
+        tensors, check = self._load_deferred(ref, names)
+        if check is not None:
+            check()
         return tensors
 
     def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
                                                                         Callable[[], None] | None]:
-        # get_batch: the checksum pass runs on another thread while the collate copies the same pages
+        # the checksum pass, if any, is left to the caller: get runs it at once, get_batch beside the collate
         header, tensors = self._map(ref, names)
         return tensors, (functools.partial(_verify, header, tensors) if self.verify_checksums else None)
 

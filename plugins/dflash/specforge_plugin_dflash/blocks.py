@@ -182,7 +182,7 @@ class GroupedBlockAttention:
 
     seq_len: int  # S: the context keys precede the block keys
     groups: tuple[AttentionGroup, ...]
-    block_size: int = 0  # bs (0: not recorded)
+    block_size: int  # bs: block b's keys are block_size consecutive block keys
 
     @functools.cached_property
     def context_bias(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, linear, rope_cos_sin
+from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_flash_attention, cpu_flash_attention_backward,
+                               linear, rope_cos_sin)
 
 from .blocks import GroupedBlockAttention
 from .config import DFlashConfig
@@ -61,7 +62,7 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: G
                    kernel: str) -> torch.Tensor:
     """:func:`attend` over ``pattern``'s groups: each group's queries against its context prefix and its own
     blocks' keys only. q ``[B, h, Q, d]``, k/v ``[B, kv, S+Q, d]`` (context keys first) -> ``[B, h, Q, d]``."""
-    if kernel == "sdpa" and q.device.type == "cpu" and pattern.block_size:
+    if kernel == "sdpa" and q.device.type == "cpu":
         return _ContextPlusOwnBlock.apply(q, k, v, pattern)
     s = pattern.seq_len
     outputs = []
@@ -70,12 +71,6 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: G
         values = torch.cat([v[:, :, :group.context], v[:, :, s + group.start:s + group.end]], dim=2)
         outputs.append(attend(q[:, :, group.start:group.end], keys, values, group.mask, kernel))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-
-
-def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flash kernel for CPU: ``(out, logsumexp [B, h, Q] float32)``; GQA native, ``bias`` additive."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
 
 
 def _single(x: torch.Tensor) -> torch.Tensor:
@@ -120,14 +115,14 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
         inputs = q, k, v
         q, k, v = _single(q), _single(k), _single(v)
         own_q, own_k, own_v = _blockwise(q, bs), _blockwise(k[:, :, s:], bs), _blockwise(v[:, :, s:], bs)
-        own_out, own_lse = _flash_cpu(own_q, own_k, own_v)
+        own_out, own_lse = cpu_flash_attention(own_q, own_k, own_v)
         out, lse = _unblockwise(own_out, batch).float(), _unblockwise(own_lse, batch)
         for group, bias in zip(pattern.groups, pattern.context_bias):
             if bias is None:
                 continue
             rows = slice(group.start, group.end)
-            part_out, part_lse = _flash_cpu(q[:, :, rows], k[:, :, :group.context], v[:, :, :group.context],
-                                            bias[0])
+            part_out, part_lse = cpu_flash_attention(q[:, :, rows], k[:, :, :group.context],
+                                                     v[:, :, :group.context], bias=bias[0])
             part_lse = part_lse.masked_fill(bias[1], float("-inf"))  # the kernel says 0 for a row with no key
             merged = torch.logaddexp(lse[:, :, rows], part_lse)
             out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - merged).exp_()[..., None]
@@ -143,9 +138,8 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
         q, k, v, pattern = _single(q_in), _single(k_in), _single(v_in), ctx.pattern
         s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
         grad_out = _single(grad_out).contiguous()
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        own = backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
-                       _blockwise(v[:, :, s:], bs), _blockwise(out, bs), _blockwise(lse, bs), 0.0, False)
+        own = cpu_flash_attention_backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
+                                           _blockwise(v[:, :, s:], bs), _blockwise(out, bs), _blockwise(lse, bs))
         grad_q = _unblockwise(own[0], batch)
         grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -154,8 +148,8 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
             if bias is None:
                 continue
             rows, keys = slice(group.start, group.end), slice(0, group.context)
-            part = backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                            lse[:, :, rows], 0.0, False, attn_mask=bias[0])
+            part = cpu_flash_attention_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                                out[:, :, rows], lse[:, :, rows], bias=bias[0])
             grad_q[:, :, rows] += part[0]
             grad_k[:, :, keys] += part[1]
             grad_v[:, :, keys] += part[2]

@@ -14,7 +14,7 @@ step does not supervise are never computed. The input gradients are computed in 
 and only scaled in backward, so what a step keeps for backward is ``dx [R, h]`` and
 ``dW [Vd, h]``, not its logits. On CUDA the same ops run on cuBLAS and elementwise kernels;
 bf16/fp16 on a CPU without bf16 GEMM instructions runs its GEMMs in float32
-(:func:`specforge_core.nn.upcast_half_gemm_on_cpu`).
+(:func:`specforge_core.nn.upcasts`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specforge_core.nn import Linear, upcast_half_gemm_on_cpu
+from specforge_core.nn import Linear, upcasts
 
 #: Elements of one chunk's float32 logits (2 MiB): rows per chunk = this / Vd, at least MIN_CHUNK_ROWS.
 CHUNK_ELEMENTS = 1 << 19
@@ -44,11 +44,6 @@ def chunk_rows(vocab: int) -> int:
     return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(1, vocab))
 
 
-def _gemm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    half = weight.dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if half and weight.device.type == "cpu" and upcast_half_gemm_on_cpu() else weight.dtype
-
-
 class HeadSoftCrossEntropy(torch.autograd.Function):
     """``(S, argmax)`` of the module docstring for ``x [R, h]``, ``weight [Vd, h]`` and :class:`SoftTargets`
     given as tensors; the argmax (draft ids, ``[R]``) carries no gradient."""
@@ -58,7 +53,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                 row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, vocab = x.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gemm = _gemm_dtype(x, weight)
+        gemm = torch.float32 if upcasts(rows, weight) else weight.dtype
         acc = torch.promote_types(gemm, torch.float32)  # the logits' and the sums' dtype
         x_g, w_g = x.to(gemm), weight.to(gemm)
         step = chunk_rows(vocab)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_flash_attention, cpu_flash_attention_backward,
+                               rope_cos_sin)
 
 from .head_loss import DraftHead
 
@@ -103,19 +104,8 @@ class DraftKV:
 CAUSAL = "causal"
 
 
-def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal flash attention on CPU: ``(out [B, nh, S, d], logsumexp [B, nh, S] float32)``; GQA native."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-
-
-def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[B, nkv, S, d]`` -> ``[B, nkv * groups, S, d]`` as a view (query head h reads kv head h // groups)."""
-    b, nkv, t, d = x.shape
-    return x[:, :, None].expand(b, nkv, groups, t, d).reshape(b, nkv * groups, t, d) if groups > 1 else x
-
-
 def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_heads`: ``[B, nkv * groups, S, d]`` summed back to ``[B, nkv, S, d]``."""
+    """The gradient of :func:`repeat_kv`: ``[B, nkv * groups, S, d]`` summed back to ``[B, nkv, S, d]``."""
     b, nh, t, d = x.shape
     return x.view(b, nh // groups, groups, t, d).sum(2) if groups > 1 else x
 
@@ -138,13 +128,13 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
                 *diag: torch.Tensor) -> torch.Tensor:
         groups = q.shape[1] // k0.shape[1]
-        out0, lse0 = _flash_cpu(q, k0, v0, scale)
+        out0, lse0 = cpu_flash_attention(q, k0, v0, causal=True, scale=scale)
         keys, values = diag[0::2], diag[1::2]
-        scores = [(q * _heads(k, groups)).sum(-1).float() * scale for k in keys]  # [B, nh, S] each
+        scores = [(q * repeat_kv(k, groups)).sum(-1).float() * scale for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
         out = out0.float() * (lse0 - lse).exp_()[..., None]
         for s_j, v in zip(scores, values):
-            out += (s_j - lse).exp_()[..., None] * _heads(v, groups)
+            out += (s_j - lse).exp_()[..., None] * repeat_kv(v, groups)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)
         ctx.scale, ctx.groups = scale, groups
@@ -155,15 +145,15 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         q, k0, v0, out, lse, *diag = ctx.saved_tensors
         scale, groups = ctx.scale, ctx.groups
         grad_out = grad_out.contiguous()
-        grad_q, grad_k0, grad_v0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k0, v0, out, lse, 0.0, True, scale=scale)
+        grad_q, grad_k0, grad_v0 = cpu_flash_attention_backward(grad_out, q, k0, v0, out, lse, causal=True,
+                                                                 scale=scale)
         grads: list[torch.Tensor] = []
         if diag:
             grad_q = grad_q.float()
             g32 = grad_out.float()
             total = (g32 * out.float()).sum(-1)  # rowsum(dout * out), the softmax backward's shift
             for k, v in zip(diag[0::2], diag[1::2]):
-                k_h, v_h = _heads(k, groups).float(), _heads(v, groups).float()
+                k_h, v_h = repeat_kv(k, groups).float(), repeat_kv(v, groups).float()
                 p_j = ((q.float() * k_h).sum(-1) * scale - lse).exp_()  # [B, nh, S]
                 d_score = p_j * ((g32 * v_h).sum(-1) - total)
                 grad_q += (d_score * scale)[..., None] * k_h
@@ -185,15 +175,15 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     but its diagonal. Equivalent to dense attention over ``[k0; k1; ...; kk]`` with the mask
     of :func:`ttt_key_mask`. Returns [B, nh, S, d].
 
-    ``mask0`` :data:`CAUSAL` (training on right-padded rows, T = S): query t sees step-0 keys
-    s <= t, which is the bool mask's pattern wherever it matters (a padded key is after every
-    real query); on CPU that runs as :class:`_CausalPlusDiagonal`, elsewhere as the bias.
+    ``mask0`` :data:`CAUSAL` (training on right-padded rows on CPU, T = S): query t sees step-0
+    keys s <= t, which is the bool mask's pattern wherever it matters (a padded key is after
+    every real query); it runs as :class:`_CausalPlusDiagonal`.
     """
     if isinstance(mask0, str):
-        if q.device.type == "cpu":
-            return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, *(t for pair in diag for t in pair))
-        s = q.shape[2]
-        mask0 = additive_mask(torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None])
+        if q.device.type != "cpu":
+            raise ValueError(f"mask0={mask0!r} runs on CPU's flash kernel; on {q.device.type} pass the additive "
+                             "mask (additive_mask), built once per batch")
+        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, *(t for pair in diag for t in pair))
     groups = q.shape[1] // k0.shape[1]
     q = q * q.shape[-1] ** -0.5  # scale the queries, not the S x T scores
     scores = torch.matmul(q, repeat_kv(k0, groups).transpose(2, 3)).float()  # [B, nh, S, T]
@@ -378,8 +368,8 @@ class Eagle3Draft(nn.Module):
         token t+2+k; the loss applies the head to the rows it supervises only (:mod:`.head_loss`).
         """
         s = input_ids.shape[1]
-        mask0: torch.Tensor | str = CAUSAL
-        if not right_padded(attention_mask):
+        mask0: torch.Tensor | str = CAUSAL  # CPU: the causal flash kernel; elsewhere a bias built once per batch
+        if input_ids.device.type != "cpu" or not right_padded(attention_mask):
             causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
             mask0 = additive_mask((causal[None] & attention_mask.bool()[:, None, :])[:, None])  # [B, 1, S, S], once
         positions = torch.arange(s, device=input_ids.device)

@@ -106,6 +106,12 @@ def test_causal_flash_attention_plus_diagonal_keys_equals_the_boolean_mask_on_re
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_causal_attention_is_refused_off_cpu_naming_what_to_pass_instead():
+    q, kv = torch.empty(1, 4, 3, 8, device="meta"), torch.empty(1, 2, 3, 8, device="meta")
+    with pytest.raises(ValueError, match="mask0='causal' runs on CPU's flash kernel; on meta pass the additive"):
+        ttt_attention(q, kv, kv, CAUSAL, [])
+
+
 def test_compact_attention_equals_dense_attention_under_the_pinned_mask():
     gen = torch.Generator().manual_seed(0)
     b, nh, nkv, s, d, steps = 2, 4, 2, 6, 8, 3
