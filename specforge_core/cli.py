@@ -27,7 +27,10 @@ _USAGE_ERRORS = (OptionError, UnknownComponentError, CapabilityError, PluginErro
 
 def _fail(exc: SpecforgeError) -> None:
     click.echo(f"error: {exc}", err=True)
-    sys.exit(2 if isinstance(exc, _USAGE_ERRORS) else 1)
+    status = 2 if isinstance(exc, _USAGE_ERRORS) else 1
+    if _launched_rank():
+        _end_rank(status)
+    sys.exit(status)
 
 
 def _version_text() -> str:
@@ -322,6 +325,27 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         _fail(exc)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(_run_result_line(summary, os.path.join(plan.output, "summary.json")))
+    if _launched_rank():
+        _end_rank(0)
+
+
+def _launched_rank() -> bool:
+    """Whether this process is one rank of several that a launcher (torchrun) started."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _end_rank(status: int) -> None:
+    """Exit a launched rank with ``status`` now that its run is over, without interpreter teardown.
+
+    torch keeps a run's process groups alive after ``destroy_process_group`` (DTensor's caches
+    hold the device meshes that hold them), so gloo's threads are still running while Python and
+    the C++ runtime tear down, and a complete run has been seen to abort there ("terminate called
+    without an active exception") and so fail its launcher. Everything the run writes is on disk
+    by now; the rank's output is flushed and it leaves at once.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _figure(value: Any) -> str:

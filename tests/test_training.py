@@ -5,6 +5,7 @@ gloo. The "linear" strategy comes from a fake installed distribution (tests/fixt
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,23 @@ def test_two_ranks_see_distinct_samples(site, features, tmp_path):
     assert len(train) == 6
     # 24 samples, 2 ranks x 2 per batch: one epoch is 6 steps and every step sees 4 distinct samples
     assert all(r["epoch"] == 0 for r in train)
+
+
+def test_launched_ranks_leave_without_interpreter_teardown(site, features, tmp_path):
+    """A rank whose run is over exits at once: a teardown that would abort it (here an atexit
+    handler calling abort, standing in for the process group's threads) never runs, in success
+    and in failure, and each rank's last words still reach the launcher."""
+    hooks = tmp_path / "abort-at-exit"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import atexit, os\nif 'RANK' in os.environ:\n    atexit.register(os.abort)\n")
+    path = {"PYTHONPATH": f"{hooks}{os.pathsep}{site.env()['PYTHONPATH']}"}
+    out = tmp_path / "out"
+    proc = specforge(site, *train_args(features, out, steps=2, batch=2), ranks=2, env_extra=path)
+    assert proc.stdout.count("done: 2 steps") == 1  # rank 0's result line, flushed before it left
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    proc = specforge(site, *train_args(tmp_path / "nowhere", tmp_path / "o"), ranks=2, env_extra=path, expect=1)
+    assert proc.stderr.count("is not a features directory") == 2  # both ranks' errors, exit status 1
 
 
 def test_unknown_features_dir_is_a_clear_error(site, tmp_path):
