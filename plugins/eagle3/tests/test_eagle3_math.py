@@ -451,5 +451,9 @@ def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloa
     want.backward()
     assert total.dtype == torch.float32 and total.item() == pytest.approx(want.item(), rel=1e-4)
     assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
-    assert torch.allclose(x.grad.float(), x32.grad, atol=2e-3) and torch.allclose(weight.grad.float(), w32.grad,
-                                                                                     atol=2e-3)
+    # within bfloat16 roundings of the float32 gradients: on CPUs with bf16 GEMM instructions (and on CUDA) the
+    # gradient GEMMs take the logits' gradient rounded to bfloat16, as autograd in bfloat16 would; elsewhere they
+    # run in float32. Either way the error is a few bf16 ulps of the gradient's scale, not more.
+    for got, want32 in ((x.grad, x32.grad), (weight.grad, w32.grad)):
+        scale = float(want32.abs().max())
+        assert 0 < (got.float() - want32).abs().max() <= 2 ** -7 * scale
