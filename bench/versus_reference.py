@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import multiprocessing
@@ -52,8 +53,15 @@ KERNELS = {
     "linears": {"ours": {"cpu": "float32: MKL sgemm" + _HALF, "cuda": "cuBLAS, native bf16 tensor cores"},
                 "reference": {"cpu": "torch's own kernels in the step's dtype (bf16 GEMM without bf16 instructions)",
                               "cuda": "cuBLAS, native bf16"},
-                "heads": "Domino's GRU/correction and DSpark's Markov/confidence heads are the model's modules in "
-                         "both paths"},
+                "heads": "Domino's correction and DSpark's Markov/confidence heads are the model's modules in "
+                         "both paths",
+                "domino_gru": {"ours": {"cpu": "specforge_plugin_domino.gru.FusedGRU: all steps' input GEMM at once, "
+                                               "one state GEMM per step, backward by hand with each weight "
+                                               "gradient as one GEMM over all steps (float32 and upcast half "
+                                               "precision; torch's nn.GRU where bf16 GEMMs are native)",
+                                        "cuda": "nn.GRU (cuDNN)"},
+                               "reference": {"cpu": "nn.GRU (aten's GRU cells, autograd through every step)",
+                                             "cuda": "nn.GRU (cuDNN)"}}},
     "eagle3": {
         "ours_attention": {"cpu": "step-0 keys by the flash kernel for CPU, causal (masked half skipped, no S x S "
                                   "scores kept), diagonal keys as row-wise dot products merged by log-sum-exp, its "
@@ -263,16 +271,28 @@ def _dense_backbone(model, batch, blocks):
     return model.norm(x).view(b, n, bs, -1)
 
 
-def dflash_family_reference_loss(name: str, strategy, model, batch, step: int):
-    """DFlash / Domino / DSpark written out: the dense backbone, all blocks' logits at once, full cross-entropy."""
+def dflash_family_reference_loss(name: str, strategy, model, batch, step: int, textbook=None):
+    """DFlash / Domino / DSpark written out: the dense backbone, all blocks' logits at once, full cross-entropy.
+
+    The blocks are drawn as ours draws them (which blocks a step trains is data); the rest is
+    :func:`dflash_family_textbook_loss`, or ``textbook`` (that function under torch.compile).
+    """
     import torch
-    import torch.nn.functional as F
 
     from specforge_core.contracts import StepContext
 
     ctx = StepContext(global_step=step, total_steps=1000)
     shift = {"dflash": 0, "domino": getattr(getattr(model, "head_config", None), "label_shift", 0), "dspark": 1}[name]
     blocks = strategy.draw_blocks(model, batch, ctx, label_shift=shift)
+    lam = torch.tensor(strategy.base_loss_weight(ctx) if name == "domino" else 0.0)  # a tensor: no recompiles
+    return (textbook or dflash_family_textbook_loss)(name, strategy, model, batch, blocks, lam)
+
+
+def dflash_family_textbook_loss(name: str, strategy, model, batch, blocks, lam):
+    """The step's loss from its ``blocks`` (see :func:`dflash_family_reference_loss`); ``lam`` is Domino's λ."""
+    import torch
+    import torch.nn.functional as F
+
     hidden = _dense_backbone(model, batch, blocks)  # [B, N, bs, H]
     w, labels = blocks.weights, blocks.labels
     base = F.linear(hidden.to(model.lm_head.dtype), model.lm_head).float()  # [B, N, bs, V], all at once
@@ -284,7 +304,6 @@ def dflash_family_reference_loss(name: str, strategy, model, batch, step: int):
         loss = (w * ce(base)).sum() / w.sum()
     elif name == "domino":
         final = model.final_logits(base, hidden, model.block_states(blocks.tokens))
-        lam = strategy.base_loss_weight(ctx)
         loss = ((1 - lam) * (w * ce(final)).sum() + lam * (w * ce(base)).sum()) / w.sum()
     else:
         from specforge_plugin_dspark.strategy import gather_positions
@@ -328,12 +347,21 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     if path == "ours" or args.reference == "eager":
         def loss_of(step: int):
             return strategy.forward_loss(model, batch, StepContext(global_step=step, total_steps=1000)).loss
-    elif name == "eagle3":
-        def loss_of(step: int):
-            return eagle3_reference_loss(strategy, model, batch)
     else:
-        def loss_of(step: int):
-            return dflash_family_reference_loss(name, strategy, model, batch, step)
+        if name == "domino":  # the textbook GRU is torch's own (ours runs specforge_plugin_domino.gru's on CPU)
+            model.prefix_gru.forward = functools.partial(torch.nn.GRU.forward, model.prefix_gru)
+        # compiled: the same textbook step through torch.compile (inductor)
+        compiled = args.reference == "compiled"
+        if name == "eagle3":
+            textbook = torch.compile(eagle3_reference_loss) if compiled else eagle3_reference_loss
+
+            def loss_of(step: int):
+                return textbook(strategy, model, batch)
+        else:
+            textbook = torch.compile(dflash_family_textbook_loss) if compiled else None
+
+            def loss_of(step: int):
+                return dflash_family_reference_loss(name, strategy, model, batch, step, textbook)
 
     def step(index: int) -> float:
         start = time.perf_counter()
@@ -373,6 +401,10 @@ def kernels(family: str, args: argparse.Namespace) -> dict:
     if args.reference == "eager":
         described = {key: value for key, value in described.items() if not key.startswith("reference")}
         described["reference"] = "ours, every layer eager"
+    elif args.reference == "compiled":
+        described["reference_compiled"] = {"cpu": "the whole textbook step under torch.compile: inductor C++ kernels "
+                                                  "fuse its elementwise work, GEMMs and SDPA stay library calls",
+                                           "cuda": "the same through Triton kernels"}
     return described
 
 
@@ -406,7 +438,8 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     family = "eagle3" if name == "eagle3" else "dflash_family"
     return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "threads": 1, "pairs": args.pairs,
             "ours": "compiled" if args.compile else "eager",
-            "reference": "textbook" if args.reference == "textbook" else "ours, eager",
+            "reference": {"textbook": "textbook", "compiled": "textbook, compiled", "eager": "ours, eager"}[
+                args.reference],
             "first_step_s_ours": ready["ours"][2], "first_step_s_reference": ready["reference"][2],
             "tokens_per_step": tokens, "tokens_per_s_ours": tokens / ours, "tokens_per_s_reference": tokens / ref,
             "ratio": statistics.median(ratios), "ratio_p25": quartiles[0], "ratio_p75": quartiles[2],
@@ -424,9 +457,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="run ours with the strategy's compile option (its layers under torch.compile; the "
                              "untimed first step compiles, first_step_s_ours says how long)")
-    parser.add_argument("--reference", choices=("textbook", "eager"), default="textbook",
-                        help="what ours is compared with: the textbook step (default) or ours without compile "
-                             "(with --compile: what compiling changes)")
+    parser.add_argument("--reference", choices=("textbook", "compiled", "eager"), default="textbook",
+                        help="what ours is compared with: the textbook step (default), the textbook step under "
+                             "torch.compile (compiled; its untimed first step compiles), or ours without compile "
+                             "(eager; with --compile: what compiling changes)")
     args = parser.parse_args()
     for name in args.strategies.split(","):
         if name not in STRATEGIES:

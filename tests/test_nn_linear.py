@@ -8,16 +8,6 @@ from specforge_core import nn as sf_nn
 from specforge_core.nn import Linear, linear, upcast_half_gemm_on_cpu
 
 
-@pytest.fixture
-def half_gemm(monkeypatch):
-    """Set SPECFORGE_CPU_HALF_GEMM for one test (the choice is cached per process)."""
-    def choose(value):
-        monkeypatch.setenv(sf_nn.HALF_GEMM_ENV, value)
-        upcast_half_gemm_on_cpu.cache_clear()
-    yield choose
-    upcast_half_gemm_on_cpu.cache_clear()
-
-
 def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_gemm):
     half_gemm("fp32")
     assert upcast_half_gemm_on_cpu() is True

@@ -3,12 +3,15 @@
 * ``fake_site`` — a :class:`~specforge_core.testing.FakeSite` in a temporary directory
   for installing fake distributions with entry points;
 * ``plugin_manager`` — a fresh, loaded plugin manager over the real installed plugins,
-  also installed as the process-wide manager for the duration of the test.
+  also installed as the process-wide manager for the duration of the test;
+* ``half_gemm`` — ``half_gemm("fp32" | "native" | "")`` chooses how half-precision GEMMs run
+  on CPU (``SPECFORGE_CPU_HALF_GEMM``, :func:`specforge_core.nn.upcast_half_gemm_on_cpu`) for
+  one test, whatever the machine's CPU would choose.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -21,6 +24,17 @@ def fake_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeSite]:
     site = FakeSite(tmp_path_factory.mktemp("site"))
     yield site
     site.cleanup()
+
+
+@pytest.fixture
+def half_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    from .. import nn as sf_nn
+
+    def choose(value: str) -> None:
+        monkeypatch.setenv(sf_nn.HALF_GEMM_ENV, value)
+        sf_nn.upcast_half_gemm_on_cpu.cache_clear()  # the choice is cached per process
+    yield choose
+    sf_nn.upcast_half_gemm_on_cpu.cache_clear()
 
 
 @pytest.fixture

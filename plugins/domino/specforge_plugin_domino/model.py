@@ -27,6 +27,7 @@ from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.model import DFlashBackbone
 
 from .config import DominoHeadConfig
+from .gru import FusedGRU
 
 
 class DominoBackbone(DFlashBackbone):
@@ -43,7 +44,7 @@ class DominoBackbone(DFlashBackbone):
         super().__init__(config, embed_tokens, lm_head, attention=attention, dtype=dtype, init_std=init_std)
         self.head_config = head  # checked against the block size where it was made (DominoHeadConfig.from_*)
         hidden, gru = config.hidden_size, head.gru_hidden_dim
-        self.prefix_gru = nn.GRU(hidden, gru, num_layers=1, bias=False, batch_first=True)
+        self.prefix_gru = FusedGRU(hidden, gru)
         self.embed_proj = nn.Sequential(Linear(hidden + gru, head.emb_dim, bias=False), nn.SiLU(),
                                         Linear(head.emb_dim, config.vocab_size, bias=False))
         for layer in (self.embed_proj[0], self.embed_proj[2]):

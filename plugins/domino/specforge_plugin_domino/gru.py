@@ -1,0 +1,153 @@
+"""Domino's prefix GRU: ``nn.GRU(H -> g, 1 layer, no bias, batch_first)`` with a fused CPU path.
+
+The gates are PyTorch's (r, z, n in that order, as in ``weight_ih_l0`` / ``weight_hh_l0``)::
+
+    gi_t = W_ih x_t                          one GEMM over all T steps at once: [T·M, H] x [H, 3g]
+    gh_t = W_hh h_{t-1}                      one [M, g] x [g, 3g] GEMM per step (none at t = 0 from zeros)
+    r, z = σ(gi_r + gh_r), σ(gi_z + gh_z)
+    n    = tanh(gi_n + r ⊙ gh_n)
+    h_t  = n + z ⊙ (h_{t-1} − n)             = (1 − z) ⊙ n + z ⊙ h_{t-1}
+
+On CPU, autograd through ``nn.GRU`` records every step's cell ops and computes the weight
+gradients a step at a time, ``T`` GEMMs with ``K = M`` each. :class:`FusedGRU` keeps the
+activations it needs (``r, z, n, gh_n``, time-major so every step's rows are contiguous) and
+runs backward by hand: one ``[M, 3g] x [3g, g]`` GEMM per step for the state's gradient, then
+each weight gradient as one GEMM over all steps (``K = T·M``) and the input gradient as one.
+A sequence that starts from zeros skips the first step's ``W_hh`` GEMM in both directions.
+The gate arithmetic and the state run in float32 (float64 for float64 inputs); the GEMMs run
+in the weights' dtype, or in float32 for half precision on CPUs without bf16 GEMM instructions
+(:func:`specforge_core.nn.upcasts`); the states are rounded to the input's dtype once, at the
+end. Elsewhere — CUDA (cuDNN's fused GRU) and half precision on CPUs with bf16 GEMM
+instructions — the module is ``nn.GRU`` as it is (:meth:`FusedGRU.fused`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specforge_core.nn import upcasts
+
+
+class _Precision:
+    """The dtypes a GRU call runs in: ``gemm`` for the matrix products, ``acc`` for the gates and the state."""
+
+    def __init__(self, rows: int, weight: torch.Tensor) -> None:
+        self.gemm = torch.float32 if upcasts(rows, weight) else weight.dtype
+        self.acc = torch.promote_types(self.gemm, torch.float32)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` computed in ``gemm``, returned in ``acc``."""
+        return (a.to(self.gemm) @ b.to(self.gemm)).to(self.acc)
+
+
+class _GRUSequence(torch.autograd.Function):
+    """``x [T, M, H]`` (time-major), ``w_ih [3g, H]``, ``w_hh [3g, g]``, ``h0 [M, g]`` or None (zeros) -> the state
+    after every step, ``[T, M, g]`` in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor | None) -> torch.Tensor:
+        steps, rows, width = x.shape
+        g = w_hh.shape[1]
+        prec = _Precision(steps * rows, w_hh)
+        w_ih_g, w_hh_g = w_ih.to(prec.gemm), w_hh.to(prec.gemm)
+        x = x.contiguous()  # time-major rows: step t is rows t·M .. (t+1)·M
+        gi = prec.mm(x.view(-1, width), w_ih_g.t()).view(steps, rows, 3 * g)
+        out = gi.new_empty(steps, rows, g)
+        rz_all, n_all = gi.new_empty(steps, rows, 2 * g), gi.new_empty(steps, rows, g)
+        ghn_all = gi.new_zeros(steps, rows, g)  # gh_n; zero where the state before is zeros (no GEMM)
+        h = None if h0 is None else h0.to(prec.acc)
+        for t in range(steps):
+            gi_t, rz, n = gi[t], rz_all[t], n_all[t]
+            if h is None:  # from zeros: gh = 0, h_t = (1 - z) n
+                torch.sigmoid(gi_t[:, :2 * g], out=rz)
+                torch.tanh(gi_t[:, 2 * g:], out=n)
+                torch.addcmul(n, rz[:, g:], n, value=-1, out=out[t])
+            else:
+                gh = prec.mm(h, w_hh_g.t())  # [M, 3g]
+                torch.add(gi_t[:, :2 * g], gh[:, :2 * g], out=rz).sigmoid_()
+                ghn = ghn_all[t]
+                ghn.copy_(gh[:, 2 * g:])
+                torch.addcmul(gi_t[:, 2 * g:], rz[:, :g], ghn, out=n).tanh_()
+                torch.addcmul(n, rz[:, g:], h - n, out=out[t])
+            h = out[t]
+        ctx.save_for_backward(x, w_ih_g, w_hh_g, None if h0 is None else h0.to(prec.acc), out, rz_all, n_all,
+                              ghn_all)
+        ctx.prec = prec
+        ctx.dtypes = (x.dtype, w_ih.dtype, w_hh.dtype, None if h0 is None else h0.dtype)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, w_ih, w_hh, h0, out, rz_all, n_all, ghn_all = ctx.saved_tensors
+        prec = ctx.prec
+        steps, rows, g = out.shape
+        grad_out = grad_out.to(prec.acc)
+        # each gate's pre-activation gradient: r and z (the same on both sides), n on the input side (d_n)
+        # and r ⊙ d_n on the state side (d_ghn)
+        d_rz = out.new_empty(steps, rows, 2 * g)
+        d_n, d_ghn = out.new_empty(steps, rows, g), out.new_empty(steps, rows, g)
+        dh = None  # the gradient reaching h_t from later steps
+        for t in reversed(range(steps)):
+            d = grad_out[t] if dh is None else grad_out[t] + dh
+            r, z, n = rz_all[t, :, :g], rz_all[t, :, g:], n_all[t]
+            h_prev = out[t - 1] if t > 0 else h0
+            dn = torch.addcmul(d, d, z, value=-1)  # d (1 - z)
+            dn.mul_(torch.addcmul(torch.ones_like(n), n, n, value=-1))  # ... (1 - n²)
+            d_n[t] = dn
+            dz = d * (h_prev - n) if h_prev is not None else -(d * n)
+            d_rz[t, :, g:] = dz.mul_(z).mul_(1 - z)
+            if h_prev is None:  # the first step from zeros: gh was 0, nothing flows to W_hh or further back
+                d_rz[t, :, :g] = 0
+                d_ghn[t] = 0
+                dh = None
+                continue
+            d_rz[t, :, :g] = (dn * ghn_all[t]).mul_(r).mul_(1 - r)
+            torch.mul(dn, r, out=d_ghn[t])
+            dh = d * z + prec.mm(d_rz[t], w_hh[:2 * g]) + prec.mm(d_ghn[t], w_hh[2 * g:])
+        grads: list[torch.Tensor | None] = [None, None, None, None]
+        d_rz_rows, d_n_rows = d_rz.view(-1, 2 * g), d_n.view(-1, g)
+        if ctx.needs_input_grad[0]:
+            dx = prec.mm(d_rz_rows, w_ih[:2 * g]) + prec.mm(d_n_rows, w_ih[2 * g:])
+            grads[0] = dx.view(steps, rows, -1).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            x_rows = x.view(-1, x.shape[-1])
+            grads[1] = torch.cat([prec.mm(d_rz_rows.t(), x_rows), prec.mm(d_n_rows.t(), x_rows)]).to(ctx.dtypes[1])
+        if ctx.needs_input_grad[2]:
+            # every step that had a state before it, at once: [3g, T'·M] x [T'·M, g]
+            first = 0 if h0 is not None else 1
+            prev = (out[:-1] if h0 is None else torch.cat([h0[None], out[:-1]])).reshape(-1, g)
+            grads[2] = torch.cat([prec.mm(d_rz[first:].reshape(-1, 2 * g).t(), prev),
+                                  prec.mm(d_ghn[first:].reshape(-1, g).t(), prev)]).to(ctx.dtypes[2])
+        if h0 is not None and ctx.needs_input_grad[3]:
+            grads[3] = dh.to(ctx.dtypes[3])  # the loop's last dh is the gradient reaching h0
+        return tuple(grads)
+
+
+class FusedGRU(nn.GRU):
+    """``nn.GRU(input_size, hidden_size, num_layers=1, bias=False, batch_first=True)`` whose CPU forward and
+    backward are :class:`_GRUSequence`'s (see the module docstring); the same parameters and names.
+
+    It stays an ``nn.GRU`` module so its parameters keep their names (``weight_ih_l0``,
+    ``weight_hh_l0``) and FSDP2 gathers them when it is called.
+    """
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__(input_size, hidden_size, num_layers=1, bias=False, batch_first=True)
+
+    def fused(self, input: torch.Tensor) -> bool:
+        """Whether ``input`` runs the fused path: a batch of sequences on CPU whose GEMMs run in float32 or
+        float64. Half precision where torch's own kernels are native (CPUs with bf16 GEMM instructions)
+        stays on ``nn.GRU``, which was faster there than per-step conversions to float32 gates."""
+        if input.device.type != "cpu" or input.dim() != 3 or input.shape[1] == 0:
+            return False
+        weight = self.weight_hh_l0
+        return weight.dtype in (torch.float32, torch.float64) or upcasts(input.shape[0] * input.shape[1], weight)
+
+    def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(states [M, T, g], last [1, M, g])`` of ``input [M, T, H]`` from ``hx [1, M, g]`` (zeros if None)."""
+        if not self.fused(input):
+            return super().forward(input, hx)
+        states = _GRUSequence.apply(input.transpose(0, 1), self.weight_ih_l0, self.weight_hh_l0,
+                                    None if hx is None else hx[0])  # [T, M, g]
+        return states.transpose(0, 1), states[-1][None]

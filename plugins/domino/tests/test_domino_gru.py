@@ -1,0 +1,89 @@
+"""The prefix GRU's fused CPU path (specforge_plugin_domino.gru) against torch's own nn.GRU."""
+
+import pytest
+import torch
+
+from specforge_plugin_domino.gru import FusedGRU
+
+M, T, H, G = 6, 5, 7, 4
+
+
+def _pair(dtype):
+    """An nn.GRU in float64 and a FusedGRU with the same weights in ``dtype``."""
+    torch.manual_seed(0)
+    plain = torch.nn.GRU(H, G, bias=False, batch_first=True).double()
+    fused = FusedGRU(H, G).to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+def _run(module, dtype, x, h0, grad_states, grad_last):
+    """States, last state and the gradients of (x, weight_ih, weight_hh[, h0]) under the given output gradients."""
+    x = x.to(dtype).requires_grad_()
+    h0 = None if h0 is None else h0.to(dtype).requires_grad_()
+    states, last = module(x, h0)
+    inputs = [x, module.weight_ih_l0, module.weight_hh_l0] + ([h0] if h0 is not None else [])
+    loss = (states * grad_states.to(dtype)).sum() + (last * grad_last.to(dtype)).sum()
+    return [t.double() for t in (states, last, *torch.autograd.grad(loss, inputs))]
+
+
+def _inputs(with_state: bool, steps: int = T):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M, steps, H, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(1, M, G, generator=gen, dtype=torch.float64) if with_state else None
+    return x, h0, torch.randn(M, steps, G, generator=gen, dtype=torch.float64), \
+        torch.randn(1, M, G, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["from-zeros", "from-a-state"])
+@pytest.mark.parametrize("steps", [T, 1])
+def test_fused_gru_equals_nn_gru_in_states_and_every_gradient(with_state, steps):
+    plain, fused = _pair(torch.float64)
+    x, h0, grad_states, grad_last = _inputs(with_state, steps)
+    assert fused.fused(x)
+    want = _run(plain, torch.float64, x, h0, grad_states, grad_last)
+    got = _run(fused, torch.float64, x, h0, grad_states, grad_last)
+    assert len(got) == (6 if with_state else 5)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_gru_in_float32_matches_float64_to_float32_rounding():
+    plain, fused = _pair(torch.float32)
+    x, h0, grad_states, grad_last = _inputs(True)
+    want = _run(plain, torch.float64, x, h0, grad_states, grad_last)
+    got = _run(fused, torch.float32, x, h0, grad_states, grad_last)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+def test_half_precision_runs_float32_gemms_where_the_cpu_lacks_bf16_ones_and_stays_nearer_float64(half_gemm):
+    """Upcast (no bf16 GEMM instructions): float32 GEMMs and gates, rounded once, so no further from the
+    float64 result than torch's own bf16 GRU, which rounds every step. Native: nn.GRU as it is."""
+    x, h0, grad_states, grad_last = _inputs(True)
+    plain, fused = _pair(torch.bfloat16)
+    want = _run(plain, torch.float64, x, h0, grad_states, grad_last)
+    half_gemm("native")
+    assert not fused.fused(x.to(torch.bfloat16))
+    torch_bf16 = _run(fused, torch.bfloat16, x, h0, grad_states, grad_last)  # nn.GRU's own kernels
+    half_gemm("fp32")
+    assert fused.fused(x.to(torch.bfloat16))
+    upcast = _run(fused, torch.bfloat16, x, h0, grad_states, grad_last)
+    assert all(t.dtype == torch.float64 for t in upcast)  # (_run returns float64 copies)
+    for name, u, n, w in zip(("states", "last", "x", "w_ih", "w_hh", "h0"), upcast, torch_bf16, want):
+        scale = w.abs().max()
+        assert (u - w).abs().max() <= max((n - w).abs().max(), 2 ** -8 * scale), name
+
+
+def test_a_gru_on_another_input_shape_is_nn_grus():
+    fused = FusedGRU(H, G)
+    assert not fused.fused(torch.zeros(T, H))  # unbatched
+    assert not fused.fused(torch.zeros(M, 0, H))  # no steps
+    states, last = fused(torch.ones(T, H))
+    assert states.shape == (T, G) and last.shape == (1, G)
+
+
+def test_the_module_keeps_nn_grus_parameter_names_and_shapes():
+    fused = FusedGRU(H, G)
+    assert {n: tuple(p.shape) for n, p in fused.named_parameters()} == {"weight_ih_l0": (3 * G, H),
+                                                                        "weight_hh_l0": (3 * G, G)}
