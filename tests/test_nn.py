@@ -74,3 +74,47 @@ def test_rmsnorm_and_swiglu_follow_their_formulas():
     assert mlp(x)[0].tolist() == pytest.approx([0.5 * 3 * hidden] * 2, rel=1e-6)
     assert sorted(name for name, _ in mlp.named_parameters()) == ["down_proj.weight", "gate_proj.weight",
                                                                  "up_proj.weight"]
+
+
+def _dense_causal(q, k, v, scale):
+    """Causal GQA attention written out: ``(out, logsumexp)``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    length = q.shape[2]
+    scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("length", [11, 3])  # chunks of 4 with a short last one; one chunk
+def test_chunked_causal_flash_attention_equals_dense_causal_attention_with_its_gradients(monkeypatch, length):
+    from specforge_core import nn as sf_nn
+
+    monkeypatch.setattr(sf_nn, "CAUSAL_CHUNK", 4)
+    assert len(sf_nn._causal_chunks(length)) == (3 if length == 11 else 1)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, n, length, 8, generator=gen, dtype=torch.float64) for n in (4, 2, 2, 4))
+    scale = 8 ** -0.5
+    out, lse = sf_nn.cpu_causal_attention(q, k, v, scale=scale)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = _dense_causal(*leaves, scale)
+    want_out.backward(grad)
+    assert out.dtype == torch.float64 and lse.shape == (2, 4, length)
+    assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+    grads = sf_nn.cpu_causal_attention_backward(grad, q, k, v, out, lse, scale=scale)
+    for got, leaf in zip(grads, leaves):
+        assert got.dtype == torch.float64 and torch.allclose(got, leaf.grad, atol=1e-12)
+
+
+def test_merging_attention_over_two_key_sets_equals_attention_over_both():
+    from specforge_core.nn import cpu_flash_attention, merge_attention
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(3))
+    both = cpu_flash_attention(q, k, v)
+    out, lse = merge_attention(*cpu_flash_attention(q, k[:, :, :2], v[:, :, :2]),
+                               *cpu_flash_attention(q, k[:, :, 2:], v[:, :, 2:]))
+    assert torch.allclose(out, both[0], atol=1e-6) and torch.allclose(lse, both[1], atol=1e-6)
+    nothing = torch.full_like(lse, float("-inf"))  # a side that saw no key adds nothing
+    out, lse = merge_attention(*both, torch.zeros_like(both[0]), nothing)
+    assert torch.equal(out, both[0]) and torch.equal(lse, both[1])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_flash_attention, cpu_flash_attention_backward,
-                               linear, rope_cos_sin)
+                               linear, merge_attention, rope_cos_sin)
 
 from .blocks import GroupedBlockAttention
 from .config import DFlashConfig
@@ -124,10 +124,7 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
             part_out, part_lse = cpu_flash_attention(q[:, :, rows], k[:, :, :group.context],
                                                      v[:, :, :group.context], bias=bias[0])
             part_lse = part_lse.masked_fill(bias[1], float("-inf"))  # the kernel says 0 for a row with no key
-            merged = torch.logaddexp(lse[:, :, rows], part_lse)
-            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - merged).exp_()[..., None]
-                               + part_out.float() * (part_lse - merged).exp_()[..., None])
-            lse[:, :, rows] = merged
+            out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
         ctx.save_for_backward(*inputs, out, lse)  # out and lse in float32, as the kernels' backward reads them
         ctx.pattern = pattern
         return out.to(inputs[0].dtype)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_flash_attention, cpu_flash_attention_backward,
-                               rope_cos_sin)
+from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_causal_attention,
+                               cpu_causal_attention_backward, rope_cos_sin)
 
 from .head_loss import DraftHead
 
@@ -111,9 +111,9 @@ def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class _CausalPlusDiagonal(torch.autograd.Function):
-    """:func:`ttt_attention` with causal step-0 keys, on CPU: the flash kernel over ``k0`` (it skips the
-    masked half and keeps no S x S scores), the diagonal keys as row-wise dot products, merged by their
-    log-sum-exp::
+    """:func:`ttt_attention` with causal step-0 keys, on CPU: the flash kernel over ``k0`` a chunk of queries
+    at a time (:func:`~specforge_core.nn.cpu_causal_attention`: the masked half is skipped, no S x S
+    scores are kept), the diagonal keys as row-wise dot products, merged by their log-sum-exp::
 
         L   = log(exp(lse_0) + sum_j exp(s_j))           s_j = scale * q . k_j (query t, key j at t)
         out = exp(lse_0 - L) o_0 + sum_j exp(s_j - L) v_j
@@ -128,7 +128,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
                 *diag: torch.Tensor) -> torch.Tensor:
         groups = q.shape[1] // k0.shape[1]
-        out0, lse0 = cpu_flash_attention(q, k0, v0, causal=True, scale=scale)
+        out0, lse0 = cpu_causal_attention(q, k0, v0, scale=scale)
         keys, values = diag[0::2], diag[1::2]
         scores = [(q * repeat_kv(k, groups)).sum(-1).float() * scale for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
@@ -145,8 +145,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         q, k0, v0, out, lse, *diag = ctx.saved_tensors
         scale, groups = ctx.scale, ctx.groups
         grad_out = grad_out.contiguous()
-        grad_q, grad_k0, grad_v0 = cpu_flash_attention_backward(grad_out, q, k0, v0, out, lse, causal=True,
-                                                                 scale=scale)
+        grad_q, grad_k0, grad_v0 = cpu_causal_attention_backward(grad_out, q, k0, v0, out, lse, scale=scale)
         grads: list[torch.Tensor] = []
         if diag:
             grad_q = grad_q.float()

@@ -84,11 +84,16 @@ def test_attention_with_the_additive_bias_built_once_equals_the_boolean_mask_in_
         assert (got - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("chunk", [64, 4])  # one causal call; chunks of 4 queries (the last one short)
 @pytest.mark.parametrize("diagonals", [0, 1, 3])
-def test_causal_flash_attention_plus_diagonal_keys_equals_the_boolean_mask_on_real_rows(diagonals):
+def test_causal_flash_attention_plus_diagonal_keys_equals_the_boolean_mask_on_real_rows(monkeypatch, diagonals,
+                                                                                          chunk):
     """CAUSAL (the CPU flash kernel over the step-0 keys, diagonal keys merged by log-sum-exp) against the
     bool mask of a right-padded batch: equal outputs at the real queries and equal gradients of a loss
     over them, GQA included."""
+    from specforge_core import nn as sf_nn
+
+    monkeypatch.setattr(sf_nn, "CAUSAL_CHUNK", chunk)
     gen = torch.Generator().manual_seed(2)
     b, nh, nkv, s, d = 2, 4, 2, 9, 8
     attention_mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
