@@ -150,6 +150,13 @@ def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: tor
         grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
+def in_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half precision as a float32 copy, float32 and float64 as they are: for attention merged from several
+    kernel calls, which then computes in float32 and rounds its output once, as one half-precision kernel
+    would, instead of once per part."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two attentions of the same queries over disjoint keys (``out [.., Q, d]``, ``lse [.., Q]``) merged into the

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_flash_attention, cpu_flash_attention_backward,
-                               linear, merge_attention, rope_cos_sin)
+                               in_float32, linear, merge_attention, rope_cos_sin)
 
 from .blocks import GroupedBlockAttention
 from .config import DFlashConfig
@@ -73,12 +73,6 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: G
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def _single(x: torch.Tensor) -> torch.Tensor:
-    """Half precision as float32 (a copy), float32 as it is: the merged attention computes in float32 and
-    rounds its output once, as a half-precision kernel does, instead of once per part."""
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-
-
 def _blockwise(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[B, h, N*bs, ...]`` -> ``[B*N, h, bs, ...]`` (a copy): each block its own batch row."""
     b, h, q = x.shape[:3]
@@ -113,7 +107,7 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
                 pattern: GroupedBlockAttention) -> torch.Tensor:
         s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
         inputs = q, k, v
-        q, k, v = _single(q), _single(k), _single(v)
+        q, k, v = in_float32(q), in_float32(k), in_float32(v)
         own_q, own_k, own_v = _blockwise(q, bs), _blockwise(k[:, :, s:], bs), _blockwise(v[:, :, s:], bs)
         own_out, own_lse = cpu_flash_attention(own_q, own_k, own_v)
         out, lse = _unblockwise(own_out, batch).float(), _unblockwise(own_lse, batch)
@@ -132,9 +126,9 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q_in, k_in, v_in, out, lse = ctx.saved_tensors
-        q, k, v, pattern = _single(q_in), _single(k_in), _single(v_in), ctx.pattern
+        q, k, v, pattern = in_float32(q_in), in_float32(k_in), in_float32(v_in), ctx.pattern
         s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
-        grad_out = _single(grad_out).contiguous()
+        grad_out = in_float32(grad_out).contiguous()
         own = cpu_flash_attention_backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
                                            _blockwise(v[:, :, s:], bs), _blockwise(out, bs), _blockwise(lse, bs))
         grad_q = _unblockwise(own[0], batch)

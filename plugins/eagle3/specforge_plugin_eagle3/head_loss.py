@@ -57,13 +57,16 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(gemm, torch.float32)  # the logits' and the sums' dtype
         x_g, w_g = x.to(gemm), weight.to(gemm)
         step = chunk_rows(vocab)
-        # with gradients every row's dz is kept for the two GEMMs; without, one chunk is reused
-        dz = torch.empty(rows if grads else min(rows, step), vocab, dtype=acc, device=x.device)
+        # With gradients every row's dz is kept, in the GEMMs' dtype, for the two gradient GEMMs; a chunk's
+        # logits are computed in the sums' dtype, in dz's rows when that is the same, else in a scratch chunk
+        # whose dz is rounded into its rows while still in cache.
+        dz = torch.empty(rows, vocab, dtype=gemm, device=x.device) if grads else None
+        scratch = None if grads and gemm == acc else torch.empty(min(rows, step), vocab, dtype=acc, device=x.device)
         draft = torch.empty(rows, dtype=torch.long, device=x.device)
         total = torch.zeros((), dtype=acc, device=x.device)
         for start in range(0, rows, step):
             end = min(start + step, rows)
-            z = dz[start:end] if grads else dz[:end - start]
+            z = dz[start:end] if scratch is None else scratch[:end - start]
             if gemm == acc:
                 torch.mm(x_g[start:end], w_g.t(), out=z)
             else:
@@ -76,11 +79,13 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
             total += ((peak + mass.log() - dot) * w_c).sum()
             if grads:  # dz = w (softmax - p), in place
                 z.mul_((1 / mass)[:, None]).sub_(p_c).mul_(w_c[:, None])
+                if scratch is not None:
+                    dz[start:end] = z
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = (dz.to(gemm) @ w_g).to(x.dtype)
+            grad_x = (dz @ w_g).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = (dz.to(gemm).t() @ x_g).to(weight.dtype)
+            grad_w = (dz.t() @ x_g).to(weight.dtype)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.mark_non_differentiable(draft)
         return total, draft

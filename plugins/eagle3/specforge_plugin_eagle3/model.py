@@ -27,7 +27,7 @@ from torch import nn
 
 from specforge_core.dtypes import torch_dtype
 from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_causal_attention,
-                               cpu_causal_attention_backward, rope_cos_sin)
+                               cpu_causal_attention_backward, in_float32, rope_cos_sin)
 
 from .head_loss import DraftHead
 
@@ -113,7 +113,8 @@ def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
 class _CausalPlusDiagonal(torch.autograd.Function):
     """:func:`ttt_attention` with causal step-0 keys, on CPU: the flash kernel over ``k0`` a chunk of queries
     at a time (:func:`~specforge_core.nn.cpu_causal_attention`: the masked half is skipped, no S x S
-    scores are kept), the diagonal keys as row-wise dot products, merged by their log-sum-exp::
+    scores are kept), the diagonal keys as row-wise dot products, merged by their log-sum-exp, all in
+    float32 (half-precision inputs are upcast and the output rounded once)::
 
         L   = log(exp(lse_0) + sum_j exp(s_j))           s_j = scale * q . k_j (query t, key j at t)
         out = exp(lse_0 - L) o_0 + sum_j exp(s_j - L) v_j
@@ -128,38 +129,35 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
                 *diag: torch.Tensor) -> torch.Tensor:
         groups = q.shape[1] // k0.shape[1]
-        out0, lse0 = cpu_causal_attention(q, k0, v0, scale=scale)
-        keys, values = diag[0::2], diag[1::2]
-        scores = [(q * repeat_kv(k, groups)).sum(-1).float() * scale for k in keys]  # [B, nh, S] each
+        out0, lse0 = cpu_causal_attention(in_float32(q), in_float32(k0), in_float32(v0), scale=scale)
+        q32, keys, values = in_float32(q), diag[0::2], diag[1::2]
+        scores = [(q32 * repeat_kv(k, groups)).sum(-1) * scale for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
-        out = out0.float() * (lse0 - lse).exp_()[..., None]
+        out = out0 * (lse0 - lse).exp_()[..., None]
         for s_j, v in zip(scores, values):
             out += (s_j - lse).exp_()[..., None] * repeat_kv(v, groups)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k0, v0, out, lse, *diag)
+        ctx.save_for_backward(q, k0, v0, out, lse, *diag)  # out in float32, as the kernels' backward reads it
         ctx.scale, ctx.groups = scale, groups
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        q_in, k0_in, v0_in, out, lse, *diag = ctx.saved_tensors
+        q, k0, v0 = in_float32(q_in), in_float32(k0_in), in_float32(v0_in)
         scale, groups = ctx.scale, ctx.groups
-        grad_out = grad_out.contiguous()
+        grad_out = in_float32(grad_out).contiguous()
         grad_q, grad_k0, grad_v0 = cpu_causal_attention_backward(grad_out, q, k0, v0, out, lse, scale=scale)
         grads: list[torch.Tensor] = []
         if diag:
-            grad_q = grad_q.float()
-            g32 = grad_out.float()
-            total = (g32 * out.float()).sum(-1)  # rowsum(dout * out), the softmax backward's shift
+            total = (grad_out * out).sum(-1)  # rowsum(dout * out), the softmax backward's shift
             for k, v in zip(diag[0::2], diag[1::2]):
-                k_h, v_h = repeat_kv(k, groups).float(), repeat_kv(v, groups).float()
-                p_j = ((q.float() * k_h).sum(-1) * scale - lse).exp_()  # [B, nh, S]
-                d_score = p_j * ((g32 * v_h).sum(-1) - total)
-                grad_q += (d_score * scale)[..., None] * k_h
-                grads += [_per_kv_head((d_score * scale)[..., None] * q.float(), groups).to(k.dtype),
-                          _per_kv_head(p_j[..., None] * g32, groups).to(v.dtype)]
-            grad_q = grad_q.to(q.dtype)
-        return (grad_q, grad_k0, grad_v0, None, *grads)
+                k_h, v_h = repeat_kv(k, groups), repeat_kv(v, groups)
+                p_j = ((q * k_h).sum(-1) * scale - lse).exp_()  # [B, nh, S]
+                d_score = p_j * ((grad_out * v_h).sum(-1) - total)
+                grad_q = grad_q + (d_score * scale)[..., None] * k_h
+                grads += [_per_kv_head((d_score * scale)[..., None] * q, groups).to(k.dtype),
+                          _per_kv_head(p_j[..., None] * grad_out, groups).to(v.dtype)]
+        return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, *grads)
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | str | None,
