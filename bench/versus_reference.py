@@ -63,9 +63,11 @@ KERNELS = {
                                "reference": {"cpu": "nn.GRU (aten's GRU cells, autograd through every step)",
                                              "cuda": "nn.GRU (cuDNN)"}}},
     "eagle3": {
-        "ours_attention": {"cpu": "step-0 keys by the flash kernel for CPU, causal (masked half skipped, no S x S "
-                                  "scores kept), diagonal keys as row-wise dot products merged by log-sum-exp, its "
-                                  "backward the flash backward given the merged output and log-sum-exp",
+        "ours_attention": {"cpu": "step-0 keys by the flash kernel for CPU, 64 queries at a time over their own keys "
+                                  "(causal) and the keys before them, merged by log-sum-exp (masked half skipped, no "
+                                  "S x S scores kept; half precision computed in float32), diagonal keys as row-wise "
+                                  "dot products merged the same way, its backward the flash backward given the "
+                                  "merged output and log-sum-exp",
                            "cuda": "step-0 scores by cuBLAS matmul plus an additive causal bias built once per batch, "
                                    "diagonal keys as row-wise dot products"},
         "ours_loss": {"cpu": "the vocabulary head fused with the soft cross-entropy (specforge_plugin_eagle3."
