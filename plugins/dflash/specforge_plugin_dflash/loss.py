@@ -8,7 +8,9 @@ The logits of N blocks are ``[B, N, bs, V]``, which for a large vocabulary does 
 :func:`chunked_cross_entropy` asks a callable for a few blocks' logits at a time; under
 autograd each chunk is checkpointed (recomputed in backward), so only one chunk's logits
 exist at any moment, in forward and in backward (a batch whose blocks fit one chunk is
-computed once, without the recomputation).
+computed once, without the recomputation). DFlash's own loss, through the frozen target
+lm_head, is :func:`frozen_head_cross_entropy`: the same sums, fused, with the input gradient
+computed chunk by chunk in forward.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from specforge_core.nn import upcasts
 
 if TYPE_CHECKING:
     from .dpace import LossWeighting
@@ -81,6 +85,65 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
     zero = weights.new_zeros(weights.shape[:-3])
     total, predictions = reduce_chunks(chunk, labels.shape[1], chunk_blocks)
     return zero + total, predictions
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """:func:`frozen_head_cross_entropy`'s forward; its input gradient is computed there, so backward scales it."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                chunk_blocks: int, weighting: LossWeighting | None) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, blocks, bs, width = hidden.shape
+        grads = ctx.needs_input_grad[0]
+        gemm = torch.float32 if upcasts(batch * min(blocks, chunk_blocks) * bs, head) else head.dtype
+        acc = torch.promote_types(gemm, torch.float32)  # the logits' dtype, as DFlashBackbone.logits gives them
+        head_g = head.to(gemm)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        predictions = torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if grads else None
+        for start in range(0, blocks, chunk_blocks):
+            end = min(start + chunk_blocks, blocks)
+            rows = hidden[:, start:end].reshape(-1, width).to(head.dtype).to(gemm)
+            z = (rows @ head_g.t()).to(acc)  # [R, V] logits of the chunk, overwritten below
+            label = labels[:, start:end].reshape(-1, 1)
+            picked = z.gather(-1, label).squeeze(-1)
+            peak, ids = z.max(dim=-1)  # one pass for the argmax and the logsumexp's shift
+            mass = z.sub_(peak[:, None]).exp_().sum(-1)  # z now holds exp(z - max): one exp per logit
+            ce = (peak + mass.log() - picked).view(labels[:, start:end].shape)
+            w = weights[:, start:end] if weighting is None else weighting.reweight(ce, weights[:, start:end])
+            total += (w * ce).sum()
+            predictions[:, start:end] = ids.view(ce.shape)
+            if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the chunk is in cache
+                w = w.reshape(-1, 1).to(acc)
+                z.mul_(w / mass[:, None]).scatter_add_(-1, label, -w)
+                grad_hidden[:, start:end] = (z.to(gemm) @ head_g).view(batch, end - start, bs, width)
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(predictions)
+        return total, predictions
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_predictions: torch.Tensor | None):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+
+
+def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                              chunk_blocks: int, *,
+                              weighting: LossWeighting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Σ w·CE`` of the logits ``hidden [B, N, bs, H] @ head [V, H]^T`` against ``labels [B, N, bs]``, and the
+    argmax predictions ``[B, N, bs]``: what :func:`chunked_cross_entropy` gives for a frozen head, fused.
+
+    Per chunk of ``chunk_blocks`` blocks the logits are computed, their logsumexp, the label's
+    logit, the argmax and — under autograd — the gradient ``w (softmax - onehot) head`` for
+    ``hidden`` run while they are in cache, with one exp per logit; then the chunk's logits are
+    dropped. What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits,
+    and nothing is recomputed. ``head`` gets no gradient (DFlash's is the target's frozen
+    lm_head). ``weighting`` (D-PACE) reweights each chunk from its own cross-entropies, which is
+    why chunks hold whole blocks. Logits are float32 (float64 for a float64 head), as
+    :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
+    runs its GEMMs in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`).
+    """
+    return _FrozenHeadCrossEntropy.apply(hidden, head.detach(), labels, weights, chunk_blocks, weighting)
 
 
 def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0, drafted: int | None = None) -> torch.Tensor:

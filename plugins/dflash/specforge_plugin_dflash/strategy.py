@@ -5,7 +5,7 @@ forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
     blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
     pattern = grouped_block_attention(anchors, lengths)           groups of blocks: context prefix + own blocks
     hidden  = model(target_hidden, block ids, positions, pattern) [B, N*bs, H]
-    Σw·CE   = chunked_cross_entropy(lm_head(hidden), labels, weights)   w: decay, or D-PACE's (loss_type)
+    Σw·CE   = frozen_head_cross_entropy(hidden, lm_head, labels, weights)   fused, per chunk; w: decay or D-PACE
     loss    = Σw·CE / Σw                                               D-PACE: Σw·CE / batch size
 """
 
@@ -29,7 +29,7 @@ from .blocks import Blocks, block_attention_mask, build_blocks, draw_blocks, gro
 from .config import DFlashConfig, mask_token_for_data
 from .export import export_dflash, load_dflash
 from .dpace import LossWeighting
-from .loss import acceptance_lengths, block_metrics, chunked_cross_entropy, no_anchor_samples
+from .loss import acceptance_lengths, block_metrics, frozen_head_cross_entropy, no_anchor_samples
 from .model import DFlashBackbone
 from .speculate import DraftFn, draft_block, speculative_decode
 
@@ -177,9 +177,8 @@ class DFlashStrategy:
         hidden = self.block_hidden(model, batch, blocks)
         weighting = self.loss_weighting
         weights = weighting.position_weights(blocks.weights, blocks.label_mask)
-        weighted_ce, predictions = chunked_cross_entropy(lambda start, end: model.logits(hidden[:, start:end]),
-                                                         blocks.labels, weights, self.options.logit_chunk_size,
-                                                         weighting=weighting)
+        weighted_ce, predictions = frozen_head_cross_entropy(hidden, model.lm_head, blocks.labels, weights,
+                                                             self.options.logit_chunk_size, weighting=weighting)
         loss, weight = weighting.normalize(weighted_ce, weights, batch_size=blocks.anchors.shape[0])
         ratios = {"loss": (float(weighted_ce.detach()), weight),
                   **block_metrics(predictions, blocks.labels, blocks.label_mask, blocks.keep),

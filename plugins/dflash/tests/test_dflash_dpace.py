@@ -158,7 +158,8 @@ def test_no_gradient_flows_through_the_weights():
 
 
 def dflash_loss_before_loss_type(strategy, model, batch):
-    """The dflash loss as the strategy computed it before ``loss_type`` existed, operation for operation."""
+    """The dflash loss as the strategy computed it before ``loss_type`` existed: autograd through the chunks'
+    logits and ``F.cross_entropy``."""
     blocks = strategy.draw_blocks(model, batch, CTX)
     hidden = strategy.block_hidden(model, batch, blocks)
     total = blocks.weights.new_zeros(())
@@ -173,7 +174,9 @@ def dflash_loss_before_loss_type(strategy, model, batch):
 
 
 @pytest.mark.parametrize("gamma", [None, 7.0])
-def test_loss_type_dflash_is_bit_identical_to_the_loss_before_the_option(gamma):
+def test_loss_type_dflash_is_the_loss_before_the_option(gamma):
+    """The same loss and gradients to float32 rounding (the fused head sums in another order; the dflash
+    weighting itself passes everything through untouched, see the next test)."""
     strategy, model, batch = draft(loss_decay_gamma=gamma, logit_chunk_size=2)
     assert strategy.options.loss_type == "dflash"
     loss = strategy.forward_loss(model, batch, CTX).loss
@@ -182,8 +185,9 @@ def test_loss_type_dflash_is_bit_identical_to_the_loss_before_the_option(gamma):
     model.zero_grad()
     reference = dflash_loss_before_loss_type(strategy, model, batch)
     reference.backward()
-    assert torch.equal(loss, reference)
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, [p for p in model.parameters() if p.requires_grad]))
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    for got, param in zip(grads, [p for p in model.parameters() if p.requires_grad]):
+        assert torch.allclose(got, param.grad, rtol=1e-4, atol=1e-6 * float(param.grad.abs().max()))
 
 
 def test_dflash_weighting_passes_weights_and_normalisation_through_unchanged():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from specforge_core.contracts import StepContext
 from specforge_core.protocols import BuildContext, DataStats, TargetInfo
 
-from specforge_plugin_dflash import DFlashOptions
+from specforge_plugin_dflash import LOSS_TYPES, DFlashOptions
 from specforge_plugin_dflash.blocks import build_blocks
 from specforge_plugin_dflash.loss import acceptance_lengths, block_metrics, chunked_cross_entropy
 from specforge_plugin_dflash.strategy import DFlashStrategy
@@ -113,6 +113,54 @@ def test_chunked_cross_entropy_equals_the_unchunked_loss_and_gradients():
         assert total.item() == pytest.approx(reference.item(), rel=1e-12)
         assert torch.allclose(grad, ref_grad, rtol=1e-12, atol=1e-14)
         assert torch.equal(predictions, full.argmax(-1))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_fused_frozen_head_loss_equals_the_chunked_one_in_sum_gradient_and_argmax(loss_type):
+    """frozen_head_cross_entropy against chunked_cross_entropy over the same head (autograd, checkpointed
+    chunks), under DFlash's weights and every D-PACE type, in chunks of 1, 2 and all blocks."""
+    from specforge_plugin_dflash.dpace import LossWeighting
+    from specforge_plugin_dflash.loss import frozen_head_cross_entropy
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 5, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 30, (2, 5, 4), generator=gen)
+    valid = torch.rand(2, 5, 4, generator=gen) > 0.2
+    weighting = LossWeighting(loss_type)
+    weights = weighting.position_weights(torch.rand(2, 5, 4, generator=gen, dtype=torch.float64) * valid, valid)
+    want, want_predictions = chunked_cross_entropy(lambda s, e: hidden[:, s:e] @ head.T, labels, weights, 2,
+                                                   weighting=weighting)
+    (want_grad,) = torch.autograd.grad(want, hidden)
+    for chunk in (1, 2, 5):
+        total, predictions = frozen_head_cross_entropy(hidden, head, labels, weights, chunk, weighting=weighting)
+        (grad,) = torch.autograd.grad(2.5 * total, hidden)
+        assert total.item() == pytest.approx(want.item(), rel=1e-12)
+        assert torch.allclose(grad, 2.5 * want_grad, rtol=1e-10, atol=1e-14)
+        assert torch.equal(predictions, want_predictions)
+    with torch.no_grad():  # eval: the same sum and argmax, no gradient computed
+        total, predictions = frozen_head_cross_entropy(hidden, head, labels, weights, 2, weighting=weighting)
+    assert total.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(predictions, want_predictions)
+
+
+def test_the_fused_frozen_head_loss_in_bfloat16_is_within_bfloat16_rounding_of_float32(half_gemm):
+    from specforge_plugin_dflash.loss import frozen_head_cross_entropy
+
+    gen = torch.Generator().manual_seed(4)
+    hidden32 = torch.randn(2, 3, 4, 16, generator=gen).to(torch.bfloat16).float().requires_grad_()
+    head32 = (torch.randn(64, 16, generator=gen) / 4).to(torch.bfloat16).float()
+    labels = torch.randint(0, 64, (2, 3, 4), generator=gen)
+    weights = torch.rand(2, 3, 4, generator=gen)
+    want, _ = frozen_head_cross_entropy(hidden32, head32, labels, weights, 2)
+    (want_grad,) = torch.autograd.grad(want, hidden32)
+    for route in ("native", "fp32"):
+        half_gemm(route)
+        hidden = hidden32.detach().to(torch.bfloat16).requires_grad_()
+        total, _ = frozen_head_cross_entropy(hidden, head32.to(torch.bfloat16), labels, weights, 2)
+        total.backward()
+        assert total.dtype == torch.float32 and total.item() == pytest.approx(want.item(), rel=1e-2)
+        assert hidden.grad.dtype == torch.bfloat16
+        assert (hidden.grad.float() - want_grad).abs().max() <= 2 ** -7 * want_grad.abs().max()
 
 
 def test_acceptance_length_is_one_plus_the_correct_prefix_after_the_anchor():
