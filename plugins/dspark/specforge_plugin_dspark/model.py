@@ -22,6 +22,7 @@ from specforge_plugin_dflash.config import DFlashConfig
 from specforge_plugin_dflash.model import DFlashBackbone
 
 from .config import DSparkHeadConfig
+from .head_loss import DistillationSums, DistillationTerms, distillation_terms
 
 
 class MarkovHead(nn.Module):
@@ -32,11 +33,19 @@ class MarkovHead(nn.Module):
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = Linear(rank, vocab_size, bias=False)
 
-    def forward(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, previous: torch.Tensor,
+                terms: DistillationTerms | None = None) -> tuple[torch.Tensor, torch.Tensor | DistillationSums]:
         """Token ids ``[...]`` -> their embedding ``markov_w1(previous) [..., r]`` and the logit bias
         ``markov_w2(embedding) [..., V]`` (float32). One call (the module's forward, which FSDP2 hooks)
-        gives both, for the logits and the confidence head."""
+        gives both, for the logits and the confidence head.
+
+        With ``terms`` (training) the second result is instead the fused cross-entropy and L1 terms
+        of the logits this bias belongs to (:mod:`specforge_plugin_dspark.head_loss`): the bias is
+        never materialised apart from them.
+        """
         embedding = self.markov_w1(previous)
+        if terms is not None:
+            return embedding, distillation_terms(embedding, self.markov_w2.weight, terms)
         return embedding, self.markov_w2(embedding).float()
 
 

@@ -4,7 +4,8 @@ forward_loss, top to bottom (ALGORITHMS.md, "DSpark")::
 
     blocks  = draw_blocks(..., label_shift=1)                  slot k predicts anchor+k+1; w = valid·exp(-k/γ)
     hidden  = block_hidden(blocks)                             [B, N, bs, H]   DFlash's backbone
-    per chunk of blocks (recomputed in backward):
+    per chunk of blocks (recomputed in backward when there are several; CE, L1 and their
+    gradients fused in one pass over the chunk's logits: head_loss.py):
         logits = lm_head(hidden) + markov(token at anchor+k)  [.., bs, V]
         CE     = cross_entropy(logits, label)
         p_T    = softmax(lm_head(last_hidden[anchor+k]))      the target's distribution of the label
@@ -35,6 +36,7 @@ from specforge_plugin_dflash.strategy import FEATURES, DFlashStrategy, collate_f
 
 from .config import DSparkHeadConfig
 from .export import export_dspark, load_dspark
+from .head_loss import DistillationTerms
 from .model import DSparkBackbone
 from .speculate import draft_dspark_block
 
@@ -52,7 +54,7 @@ def gather_positions(states: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 
 
 def distillation(logits: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L1, accept)`` per position: ``‖softmax(logits) − teacher‖₁`` (``[..., V]`` -> ``[...]``, differentiable)
+    """The L1 term written out (training runs it fused, :mod:`.head_loss`): ``(L1, accept)`` per position: ``‖softmax(logits) − teacher‖₁`` (``[..., V]`` -> ``[...]``, differentiable)
     and the acceptance probability it implies, ``clamp(1 − L1/2, 0, 1)`` (detached: a target, not a path)."""
     l1 = (torch.softmax(logits, dim=-1) - teacher).abs().sum(-1)
     return l1, (1.0 - l1.detach() / 2).clamp(0.0, 1.0)
@@ -103,23 +105,23 @@ class DSparkStrategy(DFlashStrategy):
         def chunk(start: int, end: int) -> tuple[torch.Tensor, ...]:
             block_hidden = hidden[:, start:end]
             previous, labels = blocks.tokens[:, start:end], blocks.labels[:, start:end]  # token at anchor+k, anchor+k+1
-            embedding, bias = model.markov_head(previous)  # [B, c, bs, r], [B, c, bs, V]
-            logits = model.logits(block_hidden) + bias  # [B, c, bs, V]
-            ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-            with torch.no_grad():  # the target's distribution of the token after anchor+k
-                teacher = torch.softmax(model.logits(gather_positions(last_hidden, blocks.positions[:, start:end])), -1)
-            l1, accept = distillation(logits, teacher)
+            # the CE and L1 terms over logits = lm_head(h) + markov(previous), fused (head_loss.py)
+            terms = DistillationTerms(hidden=block_hidden, head=model.lm_head, labels=labels,
+                                      teacher_hidden=gather_positions(last_hidden, blocks.positions[:, start:end]),
+                                      weights=weights[:, start:end], weighting=weighting,
+                                      ce_alpha=options.ce_loss_alpha, l1_alpha=options.l1_loss_alpha)
+            embedding, fused = model.markov_head(previous, terms)  # [B, c, bs, r], DistillationSums
             confidence = model.confidence(block_hidden, previous, embedding)
-            bce = F.binary_cross_entropy_with_logits(confidence, accept, reduction="none")
-            w = weighting.reweight(ce, weights[:, start:end])
-            sums = torch.stack([(w * ce).sum(), (w * l1).sum(), (w * bce).sum()])
-            return sums, logits.argmax(-1), accept, torch.sigmoid(confidence).detach()
+            bce = (fused.weights * F.binary_cross_entropy_with_logits(confidence, fused.accept, reduction="none")).sum()
+            # [loss, Σw·CE, Σw·L1, Σw·BCE]: the loss carries the gradient, the sums are its terms for the metrics
+            sums = torch.stack([fused.loss + options.confidence_loss_alpha * bce, *fused.sums, bce.detach()])
+            return sums, fused.predictions, fused.accept, torch.sigmoid(confidence).detach()
 
         sums, predictions, accept, confidence = reduce_chunks(chunk, blocks.labels.shape[1], options.logit_chunk_size)
-        total = options.ce_loss_alpha * sums[0] + options.l1_loss_alpha * sums[1] + options.confidence_loss_alpha * sums[2]
+        total = sums[0]
         loss, denominator = weighting.normalize(total, weights, batch_size=blocks.anchors.shape[0])
         mask = blocks.label_mask
-        ce_sum, l1_sum, bce_sum = (float(value) for value in sums.detach())
+        ce_sum, l1_sum, bce_sum = (float(value) for value in sums[1:].detach())
         ratios = {"loss": (float(total.detach()), denominator), "ce_loss": (ce_sum, denominator),
                   "l1_loss": (l1_sum, denominator), "confidence_loss": (bce_sum, denominator),
                   **block_metrics(predictions, blocks.labels, mask, blocks.keep, label_shift=LABEL_SHIFT,

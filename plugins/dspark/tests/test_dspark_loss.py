@@ -164,3 +164,53 @@ def test_dpace_weights_the_positions_by_the_drafts_own_confidence_over_the_batch
         assert out.ratio_metrics[name] == pytest.approx((sums[key], float(SAMPLES)), rel=1e-5), name
     total = 0.1 * sums["ce"] + 0.9 * sums["l1"] + sums["bce"]
     assert float(out.loss) == pytest.approx(total / SAMPLES, rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [2, 16])  # several chunks (each recomputed in backward), one chunk
+def test_the_losss_gradients_are_the_reference_losss(make_draft, chunk):
+    """The fused CE and L1 terms (head_loss.py) give every parameter the gradient autograd gives the loss
+    written out over whole blocks."""
+    strategy, model = make_draft(num_anchors=4, logit_chunk_size=chunk)
+    batch = batch_for(strategy)
+    strategy.forward_loss(model, batch, CTX).loss.backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    ref = reference(strategy, model, batch)
+    ((0.1 * ref["ce"] + 0.9 * ref["l1"] + ref["bce"]) / ref["weight"]).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            scale = float(p.grad.abs().max())
+            assert scale > 0 and (got[name] - p.grad).abs().max() <= 1e-4 * scale, name
+
+
+@pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
+def test_fused_distillation_terms_equal_the_written_out_ones_in_float64(loss_type):
+    from specforge_plugin_dflash.dpace import LossWeighting
+    from specforge_plugin_dspark.head_loss import DistillationTerms, distillation_terms
+
+    gen = torch.Generator().manual_seed(7)
+    b, c, bs, h, r, v = 2, 3, 4, 8, 5, 30
+    hidden = torch.randn(b, c, bs, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    embedding = torch.randn(b, c, bs, r, generator=gen, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(v, r, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    teacher_hidden = torch.randn(b, c, bs, h, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (b, c, bs), generator=gen)
+    valid = torch.rand(b, c, bs, generator=gen) > 0.2
+    weighting = LossWeighting(loss_type)
+    weights = weighting.position_weights(torch.rand(b, c, bs, generator=gen, dtype=torch.float64) * valid, valid)
+    fused = distillation_terms(embedding, w2, DistillationTerms(
+        hidden=hidden, head=head, teacher_hidden=teacher_hidden, labels=labels, weights=weights, weighting=weighting,
+        ce_alpha=0.3, l1_alpha=0.7))
+    got = torch.autograd.grad(2.0 * fused.loss, (hidden, embedding, w2))
+    logits = hidden @ head.T + embedding @ w2.T
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    l1, accept = distillation(logits, torch.softmax(teacher_hidden @ head.T, -1))
+    w = weighting.reweight(ce, weights)
+    want = 0.3 * (w * ce).sum() + 0.7 * (w * l1).sum()
+    assert fused.loss.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.allclose(fused.sums, torch.stack([(w * ce).sum(), (w * l1).sum()]).detach(), rtol=1e-12)
+    assert torch.allclose(fused.weights, w.detach(), rtol=1e-12) and torch.allclose(fused.accept, accept, rtol=1e-12)
+    assert torch.equal(fused.predictions, logits.argmax(-1))
+    for g, wg in zip(got, torch.autograd.grad(2.0 * want, (hidden, embedding, w2))):
+        assert torch.allclose(g, wg, rtol=1e-9, atol=1e-12)
