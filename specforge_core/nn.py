@@ -185,7 +185,7 @@ def _chunks_causal(q: torch.Tensor) -> bool:
 def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                          scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention (query t sees keys ``<= t``; q and k of one length) by the CPU flash kernel:
-    ``(out [B, h, S, d] in q's dtype, logsumexp [B, h, S] float32)``, as :func:`cpu_flash_attention` with
+    ``(out [B, h, S, d] in q's dtype, logsumexp [B, h, S] float32, float64 kept)``, as :func:`cpu_flash_attention` with
     ``causal=True`` returns them.
 
     The kernel walks keys in blocks of up to 512 and can skip only whole blocks, so below about

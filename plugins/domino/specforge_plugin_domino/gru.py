@@ -148,6 +148,10 @@ class FusedGRU(nn.GRU):
         """``(states [M, T, g], last [1, M, g])`` of ``input [M, T, H]`` from ``hx [1, M, g]`` (zeros if None)."""
         if not self.fused(input):
             return super().forward(input, hx)
+        if hx is None:  # nn.GRU's own checks and messages (sizes, dtype)
+            self.check_input(input, None)
+        else:
+            self.check_forward_args(input, hx, None)
         states = _GRUSequence.apply(input.transpose(0, 1), self.weight_ih_l0, self.weight_hh_l0,
                                     None if hx is None else hx[0])  # [T, M, g]
         return states.transpose(0, 1), states[-1][None]

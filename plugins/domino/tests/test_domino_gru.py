@@ -87,3 +87,11 @@ def test_the_module_keeps_nn_grus_parameter_names_and_shapes():
     fused = FusedGRU(H, G)
     assert {n: tuple(p.shape) for n, p in fused.named_parameters()} == {"weight_ih_l0": (3 * G, H),
                                                                         "weight_hh_l0": (3 * G, G)}
+
+
+def test_bad_inputs_get_nn_grus_own_errors_on_the_fused_path():
+    fused = FusedGRU(H, G)
+    with pytest.raises(RuntimeError, match=r"Expected hidden size \(1, 6, 4\), got \[1, 3, 4\]"):
+        fused(torch.zeros(M, T, H), torch.zeros(1, 3, G))
+    with pytest.raises(RuntimeError, match="input.size\\(-1\\) must be equal to input_size. Expected 7, got 8"):
+        fused(torch.zeros(M, T, H + 1))
