@@ -83,6 +83,9 @@ _VERSION = 1
 _HEAD_MAGIC = b"specforge-head/1\n"
 _REMEMBERED = 65536  # sample ids whose latest generation this instance remembers
 _RETRY_INTERVAL_S = 0.2  # between retries of pending deletions
+#: How long a store attaching to a new namespace waits for the manifest another store is putting at the same
+#: moment: the put takes milliseconds, and until it ends a get reads nothing.
+MANIFEST_WAIT_S = 10.0
 
 
 class MooncakeStore(BaseFeatureStore):
@@ -381,9 +384,15 @@ class MooncakeStore(BaseFeatureStore):
         if not raw:
             body = {"format": _FORMAT, "version": _VERSION, "token_sha256": token_hash(token)}
             code = self._client.put(key, json.dumps(body).encode("utf-8"), self._config)
-            if code != 0:
-                raise FeatureStoreError(f"cannot record the manifest of {self.uri} (Mooncake error {code})")
-            raw = self._client.get(key)  # another process may have recorded it first: theirs wins
+            # Another store may have recorded it first, and theirs wins (a put of an existing key keeps the
+            # object). A get of an object whose put is still under way reads nothing: wait for it.
+            deadline = time.monotonic() + MANIFEST_WAIT_S
+            while not (raw := self._client.get(key)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not raw:
+                raise FeatureStoreError(f"cannot record the manifest of {self.uri}: the put returned Mooncake "
+                                        f"code {code} and nothing was readable under {key} after "
+                                        f"{MANIFEST_WAIT_S:g} s; check the master's log")
         try:
             info = json.loads(raw)
             if info.get("format") != _FORMAT:
