@@ -234,6 +234,53 @@ class LocalStreamCluster:
         return self._count(schema, "SELECT count(*) FROM {}.claims WHERE NOT done AND holder LIKE %s",
                            (f"%:pid{pid}:%",))
 
+    def freeze_holding_claim(self, schema: str, processes: Sequence[subprocess.Popen],
+                             timeout: float = 240.0) -> subprocess.Popen:
+        """SIGSTOP one of the producers ``processes`` at a moment it holds an open claim, and return it.
+
+        On a fast machine a claim lasts a few milliseconds, so the claims are watched on one
+        connection kept open, and a producer seen holding one is stopped at once. It must then
+        hold a claim whose rows no transaction of its own keeps locked, also after a pause that
+        lets an answer already on its way arrive: a producer frozen inside a transaction would
+        keep its rows from the producers that must take them over, so it is resumed and the
+        watch goes on.
+        """
+        import psycopg
+        from psycopg import sql
+
+        assert self.postgres is not None
+        claims = sql.Identifier(schema, "claims")
+        holders = sql.SQL("SELECT DISTINCT holder FROM {} WHERE NOT done AND holder IS NOT NULL").format(claims)
+        locked = sql.SQL("SELECT position FROM {} WHERE NOT done AND holder LIKE %s FOR UPDATE NOWAIT").format(claims)
+
+        def holds_cleanly(conn: Any, pid: int) -> bool:
+            try:
+                with conn.transaction(force_rollback=True):
+                    return bool(conn.execute(locked, (f"%:pid{pid}:%",)).fetchall())
+            except psycopg.errors.LockNotAvailable:
+                return False
+
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.postgres.socket_dsn, autocommit=True) as conn:
+            while time.monotonic() < deadline and any(process.poll() is None for process in processes):
+                try:
+                    held = " ".join(row[0] for row in conn.execute(holders).fetchall())
+                except psycopg.errors.UndefinedTable:  # the stream is not set up yet
+                    held = ""
+                for process in processes:
+                    if f":pid{process.pid}:" not in held or process.poll() is not None:
+                        continue
+                    os.kill(process.pid, signal.SIGSTOP)
+                    if holds_cleanly(conn, process.pid):
+                        time.sleep(0.3)  # an answer sent just before the stop is applied by now
+                        if holds_cleanly(conn, process.pid):
+                            return process
+                    os.kill(process.pid, signal.SIGCONT)
+                time.sleep(0.001)
+        names = ", ".join(process.name for process in processes)  # type: ignore[attr-defined]
+        raise AssertionError(f"none of {names} was seen holding a claim within {timeout:.0f}s:\n"
+                             + "\n".join(output(process) for process in processes))
+
     def _count(self, schema: str, query: str, params: tuple = ()) -> int:
         import psycopg
         from psycopg import sql

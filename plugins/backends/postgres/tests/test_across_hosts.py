@@ -107,21 +107,6 @@ def cluster(needs_postgres, needs_mooncake):
         yield running
 
 
-def freeze_while_claiming(cluster, schema, process, timeout=240):
-    """SIGSTOP ``process`` at a moment it holds an open claim (checked once it is frozen)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, output(process)
-        if cluster.claims_held(schema, process.pid):
-            os.kill(process.pid, signal.SIGSTOP)
-            time.sleep(0.3)  # a completion it sent just before would be committed by now
-            if cluster.claims_held(schema, process.pid):
-                return
-            os.kill(process.pid, signal.SIGCONT)  # it completed the claim meanwhile: try the next one
-        time.sleep(0.02)
-    raise AssertionError(f"{process.name} held no claim within {timeout}s:\n{output(process)}")
-
-
 def test_a_producer_killed_mid_claim_a_stalled_one_and_a_server_restart_lose_and_repeat_nothing(
         cluster, tiny, reference, tmp_path):
     schema = "fault_producer"
@@ -129,16 +114,19 @@ def test_a_producer_killed_mid_claim_a_stalled_one_and_a_server_restart_lose_and
                                 name=f"producer{i}") for i in range(3)]
     consumer = cluster.launch(consumer_args(cluster, schema), host=LOOPBACK, cwd=tmp_path / "consumer", ranks=RANKS,
                               name="consumer")
-    # producer2 dies holding a claim: another producer captures it again once it expires
-    freeze_while_claiming(cluster, schema, producers[2])
-    os.kill(producers[2].pid, signal.SIGKILL)
-    assert cluster.wait(producers[2], 30) == -signal.SIGKILL
-    # producer0 stalls past its claim's expiry: producer1 captures the claim again, and
-    # producer0, woken, finds it taken, drops its own objects and goes on
-    freeze_while_claiming(cluster, schema, producers[0])
+    # A producer dies holding a claim: another producer captures it again once it expires. (Which
+    # producer plays which part is whichever is first seen holding a claim: on a fast machine a
+    # claim lasts a few milliseconds, and one given producer may finish before it is caught.)
+    killed = cluster.freeze_holding_claim(schema, producers)
+    os.kill(killed.pid, signal.SIGKILL)
+    assert cluster.wait(killed, 30) == -signal.SIGKILL
+    # Another one stalls past its claim's expiry: the third captures the claim again, and the
+    # stalled one, woken, finds it taken, drops its own objects and goes on
+    live = [producer for producer in producers if producer is not killed]
+    stalled = cluster.freeze_holding_claim(schema, live)
     # Meanwhile the server restarts mid-run: every connection is cut, and each process reconnects and goes
     # on. The consumer (launcher and ranks) is frozen across the restart, so the run is still under way
-    # whatever the machine's speed: it needs the samples producer0 holds, which nobody has captured yet.
+    # whatever the machine's speed: it needs the samples the stalled producer holds, which nobody has captured yet.
     consumer_pids = [consumer.pid, *rank_pids(consumer).values()]
     for pid in consumer_pids:
         os.kill(pid, signal.SIGSTOP)
@@ -147,14 +135,14 @@ def test_a_producer_killed_mid_claim_a_stalled_one_and_a_server_restart_lose_and
     for pid in consumer_pids:
         os.kill(pid, signal.SIGCONT)
     time.sleep(3 + 2)  # SPECFORGE_LEASE_TTL_S=3 (cluster.CLUSTER_ENV), and a renewal period
-    # how soon producer1 takes the expired claim over depends on where it is in its own capture: wait for it
-    wait_until(lambda: cluster.claims_held(schema, producers[0].pid) == 0, 120,
-               "producer1 claiming producer0's expired claim")
-    os.kill(producers[0].pid, signal.SIGCONT)
+    # how soon the third producer takes the expired claim over depends on where it is in its own capture: wait
+    wait_until(lambda: cluster.claims_held(schema, stalled.pid) == 0, 120,
+               "the third producer claiming the stalled one's expired claim")
+    os.kill(stalled.pid, signal.SIGCONT)
     assert cluster.wait(consumer, 600) == 0, output(consumer)
-    for producer in producers[:2]:
+    for producer in live:
         assert cluster.wait(producer, 120) == 0, output(producer)
-    assert "are no longer claimed by producer@" in output(producers[0])
+    assert "are no longer claimed by producer@" in output(stalled)
     assert losses(tmp_path / "consumer" / "out") == reference
     audit = cluster.audit(schema)
     assert {key: audit[key] for key in FULL_LEDGER} == FULL_LEDGER
