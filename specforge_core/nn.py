@@ -249,8 +249,64 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """:func:`rms_norm` with only its input and the per-row ``1/rms`` kept for backward.
+
+    Written out, autograd keeps the normalised rows as well (and in half precision a float32
+    copy of the input): two or three ``[.., H]`` tensors where this keeps one. Backward
+    recomputes the normalised rows; the rounding is the written-out form's.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = in_float32(x)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [.., 1], float32 (float64 for float64)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        y32 = in_float32(x) * rstd
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * y32.to(x.dtype)).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            dy = in_float32(grad * weight)
+            grad_x = (rstd * (dy - y32 * (dy * y32).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` over the last dimension, the statistic in float32 (float64 for float64)
+    and the normalised rows rounded to ``x``'s dtype before the scale (as Llama and Qwen compute it)."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _SiluMul(torch.autograd.Function):
+    """:func:`silu_mul`, keeping its two inputs for backward and recomputing ``silu(gate)`` there
+    (written out, autograd keeps ``silu(gate)`` too: a third ``[.., I]`` tensor)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the gated MLP's product, with the written-out form's rounding."""
+    return _SiluMul.apply(gate, up)
+
+
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, the statistic in float32 (as Llama and Qwen compute it)."""
+    """``weight * x / rms(x)``, the statistic in float32 (as Llama and Qwen compute it); see :func:`rms_norm`."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -258,9 +314,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -273,7 +327,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

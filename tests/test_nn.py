@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specforge_core.hfconfig import config_value, rope_theta
-from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, in_float32, rms_norm, rope_cos_sin, silu_mul
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -118,3 +119,72 @@ def test_merging_attention_over_two_key_sets_equals_attention_over_both():
     nothing = torch.full_like(lse, float("-inf"))  # a side that saw no key adds nothing
     out, lse = merge_attention(*both, torch.zeros_like(both[0]), nothing)
     assert torch.equal(out, both[0]) and torch.equal(lse, both[1])
+
+
+def _written_out_rms_norm(x, weight, eps):
+    x32 = in_float32(x)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _saved_bytes(fn, *inputs):
+    """Bytes of the distinct storages autograd keeps for backward while ``fn(*inputs)`` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(storages.values())
+
+
+def test_rms_norm_and_silu_mul_have_the_written_out_gradients_in_float64():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(8, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, 1e-3), (x, weight))
+    gate, up = (torch.randn(4, 6, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(silu_mul, (gate, up))
+    grad = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen)
+    ours = torch.autograd.grad(rms_norm(x, weight, 1e-3), (x, weight), grad)
+    written = torch.autograd.grad(_written_out_rms_norm(x, weight, 1e-3), (x, weight), grad)
+    for a, b in zip(ours, written):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_round_like_the_written_out_forms(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 32, generator=gen) * 3).to(dtype).requires_grad_()
+    weight = (1 + torch.randn(32, generator=gen) / 4).to(dtype).requires_grad_()
+    grad = torch.randn(64, 32, generator=gen).to(dtype)
+    assert torch.equal(rms_norm(x, weight, 1e-6), _written_out_rms_norm(x, weight, 1e-6))
+    ours = torch.autograd.grad(rms_norm(x, weight, 1e-6), (x, weight), grad)
+    written = torch.autograd.grad(_written_out_rms_norm(x, weight, 1e-6), (x, weight), grad)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]  # a few ulps of the gradient's scale
+    for a, b in zip(ours, written):
+        assert a.dtype == b.dtype == dtype
+        assert float((a.float() - b.float()).abs().max()) <= tolerance * float(b.float().abs().max())
+    gate, up = ((torch.randn(64, 48, generator=gen) * 2).to(dtype).requires_grad_() for _ in range(2))
+    grad = torch.randn(64, 48, generator=gen).to(dtype)
+    assert torch.equal(silu_mul(gate, up), F.silu(gate) * up)
+    ours = torch.autograd.grad(silu_mul(gate, up), (gate, up), grad)
+    written = torch.autograd.grad(F.silu(gate) * up, (gate, up), grad)
+    for a, b in zip(ours, written):  # the same operations in the same order: bit for bit
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_keep_only_their_inputs_for_backward(dtype):
+    rows, width = 256, 64
+    x = torch.randn(rows, width).to(dtype).requires_grad_()
+    weight = torch.ones(width, dtype=dtype, requires_grad=True)
+    element = x.element_size()
+    # the input and weight, and one float32 1/rms per row
+    assert _saved_bytes(rms_norm, x, weight, 1e-6) == rows * width * element + width * element + rows * 4
+    # written out: also the normalised rows (and in bf16 a float32 copy of the input)
+    assert _saved_bytes(_written_out_rms_norm, x, weight, 1e-6) >= 2 * rows * width * element + rows * 4
+    gate, up = (torch.randn(rows, width).to(dtype).requires_grad_() for _ in range(2))
+    assert _saved_bytes(silu_mul, gate, up) == 2 * rows * width * element
+    assert _saved_bytes(lambda g, u: F.silu(g) * u, gate, up) == 3 * rows * width * element
