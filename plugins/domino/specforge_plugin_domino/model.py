@@ -28,6 +28,24 @@ from specforge_plugin_dflash.model import DFlashBackbone
 
 from .config import DominoHeadConfig
 from .gru import FusedGRU
+from .head_loss import DualHeadSums, DualHeadTerms, dual_head_terms
+
+
+class CorrectionProjection(nn.Sequential):
+    """``embed_proj``: ``Linear(H+g -> e) -> SiLU -> Linear(e -> V)``, the reference's module and parameter names.
+
+    With ``terms`` (training) its forward returns instead the fused cross-entropies of both heads
+    (:mod:`specforge_plugin_domino.head_loss`): the correction is never materialised apart from
+    them. One call, the module's forward, so FSDP2 has gathered the output weight.
+    """
+
+    def __init__(self, inputs: int, width: int, vocab_size: int) -> None:
+        super().__init__(Linear(inputs, width, bias=False), nn.SiLU(), Linear(width, vocab_size, bias=False))
+
+    def forward(self, x: torch.Tensor, terms: DualHeadTerms | None = None) -> torch.Tensor | DualHeadSums:
+        if terms is None:
+            return super().forward(x)
+        return dual_head_terms(self[1](self[0](x)), self[2].weight, terms)
 
 
 class DominoBackbone(DFlashBackbone):
@@ -45,8 +63,7 @@ class DominoBackbone(DFlashBackbone):
         self.head_config = head  # checked against the block size where it was made (DominoHeadConfig.from_*)
         hidden, gru = config.hidden_size, head.gru_hidden_dim
         self.prefix_gru = FusedGRU(hidden, gru)
-        self.embed_proj = nn.Sequential(Linear(hidden + gru, head.emb_dim, bias=False), nn.SiLU(),
-                                        Linear(head.emb_dim, config.vocab_size, bias=False))
+        self.embed_proj = CorrectionProjection(hidden + gru, head.emb_dim, config.vocab_size)
         for layer in (self.embed_proj[0], self.embed_proj[2]):
             nn.init.normal_(layer.weight, std=init_std)
         self.prefix_gru.to(dtype)
@@ -82,6 +99,12 @@ class DominoBackbone(DFlashBackbone):
         start = self.head_config.suffix_start
         corrected = base[..., start:, :] + self.correction(hidden[..., start:, :], states[..., start:, :])
         return corrected.to(base.dtype)
+
+    def dual_head_loss(self, states: torch.Tensor, terms: DualHeadTerms) -> DualHeadSums:
+        """Both heads' fused cross-entropies of a chunk of blocks: its GRU states ``[B, c, bs, g]``, and in ``terms``
+        its hidden states ``[B, c, bs, H]``, labels and weights (:mod:`specforge_plugin_domino.head_loss`)."""
+        start = self.head_config.suffix_start
+        return self.embed_proj(torch.cat([terms.hidden[..., start:, :], states[..., start:, :]], dim=-1), terms)
 
     def final_logits(self, base: torch.Tensor, hidden: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """Base logits ``[.., bs, V]`` with the correction added at block positions ``>= suffix_start``.

@@ -5,9 +5,9 @@ forward_loss, top to bottom (ALGORITHMS.md, "Domino")::
     blocks  = draw_blocks(..., label_shift)                      DFlash's anchors, labels, weights
     hidden  = block_hidden(blocks)                               [B, N, bs, H]   DFlash's backbone
     states  = model.block_states(blocks.tokens)                  [B, N, bs, g]   teacher-forced GRU
-    base    = lm_head(hidden);  final = base + correction        per chunk of blocks, one pass
-    base_ce, final_ce = Σw·CE(base), Σw·CE(final)             w: DFlash's decay, or D-PACE's per head (loss_type)
     λ       = base_loss_weight(global_step, total_steps)
+    base    = lm_head(hidden);  final = base + correction        per chunk of blocks, fused (head_loss)
+    base_ce, final_ce = Σw·CE(base), Σw·CE(final)             w: DFlash's decay, or D-PACE's per head (loss_type)
     loss    = ((1 − λ)·final_ce + λ·base_ce) / Σw              D-PACE: / batch size
 
 Capture plan, collate, anchors, the backbone pass, building the model, the loss's
@@ -25,11 +25,12 @@ import torch
 
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
 from specforge_core.protocols import TargetInfo
-from specforge_plugin_dflash.loss import block_metrics, cross_entropy, no_anchor_samples, reduce_chunks
+from specforge_plugin_dflash.loss import block_metrics, no_anchor_samples
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
 from .config import DominoHeadConfig
 from .export import export_domino, load_domino
+from .head_loss import DualHeadTerms
 from .model import DominoBackbone
 from .schedule import base_loss_weight
 from .speculate import draft_domino_block
@@ -63,31 +64,27 @@ class DominoStrategy(DFlashStrategy):
         blocks = self.draw_blocks(model, batch, ctx, label_shift=head.label_shift)
         hidden = self.block_hidden(model, batch, blocks)  # [B, N, bs, H]
         states = model.block_states(blocks.tokens)  # [B, N, bs, g]
-        start = head.suffix_start
         weighting = self.loss_weighting
         position_weights = weighting.position_weights(blocks.weights, blocks.label_mask)
-
-        def both_heads(first: int, last: int) -> tuple[torch.Tensor, ...]:
-            """Blocks first:last: ``[Σ w·CE_base, Σ w·CE_final]`` and each head's argmax. The final logits
-            differ from the base ones only from ``suffix_start`` on, so only that suffix is computed and
-            scored again; below it the final head's cross-entropy and argmax are the base head's. (D-PACE
-            reweights each head from its own cross-entropies.)"""
-            hidden_part, labels = hidden[:, first:last], blocks.labels[:, first:last]
-            base = model.logits(hidden_part)  # [B, c, bs, V]
-            base_ce = cross_entropy(base, labels)
-            suffix = model.corrected_suffix(base, hidden_part, states[:, first:last])  # [B, c, bs - start, V]
-            final_ce = torch.cat([base_ce[..., :start], cross_entropy(suffix, labels[..., start:])], dim=-1)
-            weights = position_weights[:, first:last]
-            sums = torch.stack([(weighting.reweight(base_ce, weights) * base_ce).sum(),
-                                (weighting.reweight(final_ce, weights) * final_ce).sum()])
-            base_predictions = base.argmax(-1)
-            return sums, base_predictions, torch.cat([base_predictions[..., :start], suffix.argmax(-1)], dim=-1)
-
-        (base_ce, final_ce), base_predictions, predictions = reduce_chunks(
-            both_heads, blocks.labels.shape[1], self.options.logit_chunk_size)
         lam = self.base_loss_weight(ctx)
-        loss, weight = weighting.normalize((1.0 - lam) * final_ce + lam * base_ce, position_weights,
-                                           batch_size=blocks.anchors.shape[0])
+        # both heads' cross-entropies fused, a chunk of blocks at a time; only the suffix from suffix_start on
+        # is corrected and scored again (below it the final head is the base head), and D-PACE reweights each
+        # head from its own cross-entropies (see head_loss)
+        total, sums, base_predictions, predictions = None, [], [], []
+        chunk = self.options.logit_chunk_size
+        for first in range(0, blocks.labels.shape[1], chunk):
+            part = slice(first, first + chunk)
+            terms = DualHeadTerms(hidden=hidden[:, part], head=model.lm_head, labels=blocks.labels[:, part],
+                                  weights=position_weights[:, part], weighting=weighting,
+                                  suffix_start=head.suffix_start, base_weight=lam)
+            out = model.dual_head_loss(states[:, part], terms)
+            total = out.loss if total is None else total + out.loss
+            sums.append(out.sums)
+            base_predictions.append(out.base_predictions)
+            predictions.append(out.predictions)
+        base_ce, final_ce = torch.stack(sums).sum(0)
+        base_predictions, predictions = torch.cat(base_predictions, dim=1), torch.cat(predictions, dim=1)
+        loss, weight = weighting.normalize(total, position_weights, batch_size=blocks.anchors.shape[0])
         metrics = dict(label_mask=blocks.label_mask, keep=blocks.keep, label_shift=head.label_shift)
         ratios = {"final_loss": (float(final_ce.detach()), weight),
                   "base_loss": (float(base_ce.detach()), weight),

@@ -165,3 +165,62 @@ def test_collate_refuses_a_sample_without_a_feature_naming_it_and_the_features_i
                                            r"'target_hidden'\]\); it was not captured with the domino capture plan: "
                                            r"capture it again with --strategy domino$"):
         strategy.collate([sample], ["s0"])
+
+
+@pytest.mark.parametrize("step", [2, 5])  # λ = 0.75, then 0.375 (total 8 steps)
+@pytest.mark.parametrize("chunk", [2, 16])  # several chunks, one chunk
+def test_the_losss_gradients_are_the_written_out_losss(make_draft, chunk, step):
+    """The fused heads (head_loss.py) give every parameter the gradient autograd gives the loss written out
+    over whole blocks."""
+    ctx = StepContext(global_step=step, total_steps=8)
+    strategy, model = make_draft(num_anchors=4, logit_chunk_size=chunk)
+    batch = batch_for(strategy)
+    strategy.forward_loss(model, batch, ctx).loss.backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    ref = reference(strategy, model, batch, ctx)
+    lam = strategy.base_loss_weight(ctx)
+    (((1 - lam) * ref["final_ce"] + lam * ref["base_ce"]) / ref["weight"]).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            scale = float(p.grad.abs().max())
+            assert scale > 0 and (got[name] - p.grad).abs().max() <= 1e-4 * scale, name
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
+def test_fused_heads_equal_the_written_out_ones_in_float64(loss_type, lam):
+    from specforge_plugin_dflash.dpace import LossWeighting
+    from specforge_plugin_domino.head_loss import DualHeadTerms, dual_head_terms
+
+    gen = torch.Generator().manual_seed(7)
+    b, c, bs, h, e, v, start = 2, 3, 5, 8, 6, 30, 2
+    hidden = torch.randn(b, c, bs, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    activation = torch.randn(b, c, bs - start, e, generator=gen, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(v, e, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (b, c, bs), generator=gen)
+    valid = torch.rand(b, c, bs, generator=gen) > 0.2
+    weighting = LossWeighting(loss_type)
+    weights = weighting.position_weights(torch.rand(b, c, bs, generator=gen, dtype=torch.float64) * valid, valid)
+    fused = dual_head_terms(activation, w2, DualHeadTerms(hidden=hidden, head=head, labels=labels, weights=weights,
+                                                         weighting=weighting, suffix_start=start, base_weight=lam))
+    got = torch.autograd.grad(2.0 * fused.loss, (hidden, activation, w2), allow_unused=True)
+    base = hidden @ head.T
+    final = torch.cat([base[..., :start, :], base[..., start:, :] + activation @ w2.T], dim=-2)
+
+    def ce(logits):
+        return F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+
+    base_ce, final_ce = ce(base), ce(final)
+    sums = torch.stack([(weighting.reweight(base_ce, weights) * base_ce).sum(),
+                        (weighting.reweight(final_ce, weights) * final_ce).sum()])
+    want = lam * sums[0] + (1 - lam) * sums[1]
+    assert fused.loss.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.allclose(fused.sums, sums.detach(), rtol=1e-12)
+    assert torch.equal(fused.base_predictions, base.argmax(-1)) and torch.equal(fused.predictions, final.argmax(-1))
+    for g, wg in zip(got, torch.autograd.grad(2.0 * want, (hidden, activation, w2), allow_unused=True)):
+        wg = torch.zeros_like(g) if wg is None else wg  # λ = 1: the correction gets no gradient
+        assert torch.allclose(g, wg, rtol=1e-9, atol=1e-12)
+    if lam == 1.0:
+        assert not got[1].any() and not got[2].any()

@@ -1,0 +1,136 @@
+"""Domino's two cross-entropies, fused: neither head's logits are kept for backward.
+
+For the rows r of a chunk of blocks (draft hidden ``h_r``, label ``y_r``, block position
+``k_r``) and, at positions ``k >= suffix_start``, the correction's hidden activation
+``a_r = silu(W1 [h_r ; g_r])``::
+
+    b_r   = h_r W^T                                  base logits: frozen target lm_head W
+    f_r   = b_r + a_r W2^T      (k_r >= start)       final logits; below start f_r = b_r
+    CEb_r = logsumexp(b_r) - b_r[y_r],   CEf_r likewise of f_r
+    wb, wf = the loss weighting's weights of each head (D-PACE: from that head's own CE, detached)
+    S     = λ Σ wb CEb + (1 - λ) Σ wf CEf
+    df_r  = (1 - λ) wf_r (softmax(f_r) - onehot(y_r))                           k_r >= start
+    db_r  = (λ wb_r + (1 - λ) wf_r [k_r < start]) (softmax(b_r) - onehot(y_r)) + df_r [k_r >= start]
+    dh = db W,   da = df W2,   dW2 = df^T a           three GEMMs, in forward
+
+Each head's softmax, cross-entropy, argmax and logit gradient share one pass over the chunk's
+logits, and what backward keeps is ``dh``, ``da`` and ``dW2``, scaled by the incoming gradient
+of ``S``. ``W1`` and the SiLU stay with autograd (through ``da``). Half precision runs the GEMMs
+in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`); the
+logits and everything after them are float32 (float64 for a float64 head).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from specforge_core.nn import upcasts
+
+if TYPE_CHECKING:
+    from specforge_plugin_dflash.dpace import LossWeighting
+
+
+@attrs.frozen(kw_only=True)
+class DualHeadTerms:
+    """What the correction's projection needs besides its input to score a chunk of blocks ``[B, c, bs]``: the
+    draft's hidden states ``[B, c, bs, H]``, the frozen target lm_head ``[V, H]``, the labels and position
+    weights, the loss weighting, the first corrected position and λ (the base head's share)."""
+
+    hidden: torch.Tensor
+    head: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    weighting: LossWeighting | None
+    suffix_start: int
+    base_weight: float
+
+
+@attrs.frozen
+class DualHeadSums:
+    """A chunk's fused terms: ``loss`` = λ Σwb·CEb + (1-λ) Σwf·CEf (differentiable) and, without gradient, the two
+    sums ``[2]`` (base, final) and each head's argmax ``[B, c, bs]``."""
+
+    loss: torch.Tensor
+    sums: torch.Tensor
+    base_predictions: torch.Tensor
+    predictions: torch.Tensor
+
+
+def _softmax_terms(z: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``z [R, V]``: the cross-entropy against ``label [R, 1]``, the argmax, and the softmax's
+    denominator; ``z`` is left holding ``exp(z - max)`` (one exp per logit)."""
+    picked = z.gather(-1, label).squeeze(-1)
+    peak, predictions = z.max(dim=-1)
+    mass = z.sub_(peak[:, None]).exp_().sum(-1)
+    return peak + mass.log() - picked, predictions, mass
+
+
+def _to_logit_gradient(z: torch.Tensor, mass: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w (softmax - onehot)`` in ``z``'s buffer, from :func:`_softmax_terms`' ``exp(z - max)`` and ``mass``."""
+    return z.mul_(w[:, None] / mass[:, None]).scatter_add_(-1, label, -w[:, None])
+
+
+class _DualHead(torch.autograd.Function):
+    """The module docstring's ``S`` for one chunk; gradients for ``hidden``, ``activation`` and ``w2``."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, activation: torch.Tensor, w2: torch.Tensor, head: torch.Tensor,
+                labels: torch.Tensor, weights: torch.Tensor, weighting: LossWeighting | None, start: int,
+                lam: float):
+        batch, blocks, bs, width = hidden.shape
+        rank, rows = activation.shape[-1], labels.numel()
+        suffix_shape = (batch, blocks, bs - start)
+        gemm = torch.float32 if upcasts(rows, head) else head.dtype
+        acc = torch.promote_types(gemm, torch.float32)
+        head_g, w2_g = head.to(gemm), w2.to(gemm)
+        h = hidden.reshape(rows, width).to(head.dtype).to(gemm)
+        a = activation.reshape(-1, rank).to(w2.dtype).to(gemm)
+        base = (h @ head_g.t()).to(acc).view(batch, blocks, bs, -1)  # [B, c, bs, V]
+        final = (a @ w2_g.t()).to(acc).view(*suffix_shape, -1)
+        final += base[:, :, start:]  # [B, c, bs - start, V]: the corrected logits
+        label = labels.reshape(-1, 1)
+        label_s = labels[..., start:].reshape(-1, 1)
+        base_ce, base_predictions, base_mass = _softmax_terms(base.view(rows, -1), label)
+        final_ce_s, final_predictions, final_mass = _softmax_terms(final.view(label_s.shape[0], -1), label_s)
+        base_ce, base_predictions = base_ce.view(labels.shape), base_predictions.view(labels.shape)
+        final_ce = torch.cat([base_ce[..., :start], final_ce_s.view(suffix_shape)], dim=-1)
+        predictions = torch.cat([base_predictions[..., :start], final_predictions.view(suffix_shape)], dim=-1)
+        wb = weights if weighting is None else weighting.reweight(base_ce, weights)
+        wf = weights if weighting is None else weighting.reweight(final_ce, weights)
+        sums = torch.stack([(wb * base_ce).sum(), (wf * final_ce).sum()])
+        grads: list[torch.Tensor | None] = [None, None, None]
+        if any(ctx.needs_input_grad[:3]):
+            coefficient = lam * wb.to(acc)
+            coefficient[..., :start] += (1.0 - lam) * wf[..., :start].to(acc)
+            d_final = _to_logit_gradient(final.view(label_s.shape[0], -1), final_mass, label_s,
+                                         (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
+            d_base = _to_logit_gradient(base.view(rows, -1), base_mass, label, coefficient.reshape(-1))
+            d_base.view(batch, blocks, bs, -1)[:, :, start:] += d_final.view(*suffix_shape, -1)
+            d_final_g = d_final.to(gemm)
+            if ctx.needs_input_grad[0]:
+                grads[0] = (d_base.to(gemm) @ head_g).view(hidden.shape).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                grads[1] = (d_final_g @ w2_g).view(activation.shape).to(activation.dtype)
+            if ctx.needs_input_grad[2]:
+                grads[2] = (d_final_g.t() @ a).to(w2.dtype)
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(sums, base_predictions, predictions)
+        return lam * sums[0] + (1.0 - lam) * sums[1], sums, base_predictions, predictions
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_ignored):
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        return (*scaled, None, None, None, None, None, None)
+
+
+def dual_head_terms(activation: torch.Tensor, w2: torch.Tensor, terms: DualHeadTerms) -> DualHeadSums:
+    """The fused terms of the module docstring for a chunk whose corrected positions have the hidden activation
+    ``activation [B, c, bs - start, e]`` under the correction's output weight ``w2 [V, e]`` (called by the
+    projection's forward, which holds them)."""
+    loss, sums, base_predictions, predictions = _DualHead.apply(
+        terms.hidden, activation, w2, terms.head.detach(), terms.labels, terms.weights, terms.weighting,
+        terms.suffix_start, float(terms.base_weight))
+    return DualHeadSums(loss, sums, base_predictions, predictions)
