@@ -18,6 +18,7 @@ export writes them next to the backbone's keys unchanged.
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,17 +36,20 @@ class CorrectionProjection(nn.Sequential):
     """``embed_proj``: ``Linear(H+g -> e) -> SiLU -> Linear(e -> V)``, the reference's module and parameter names.
 
     With ``terms`` (training) its forward returns instead the fused cross-entropies of both heads
-    (:mod:`specforge_plugin_domino.head_loss`): the correction is never materialised apart from
-    them. One call, the module's forward, so FSDP2 has gathered the output weight.
+    (:mod:`specforge_plugin_domino.head_loss`) as the tensors of :class:`DualHeadSums`, in order:
+    the correction is never materialised apart from them. One call, the module's forward, so FSDP2
+    has gathered the weights; its outputs are plain tensors, which FSDP2 hooks to gather them again
+    for backward.
     """
 
     def __init__(self, inputs: int, width: int, vocab_size: int) -> None:
         super().__init__(Linear(inputs, width, bias=False), nn.SiLU(), Linear(width, vocab_size, bias=False))
 
-    def forward(self, x: torch.Tensor, terms: DualHeadTerms | None = None) -> torch.Tensor | DualHeadSums:
+    def forward(self, x: torch.Tensor,
+                terms: DualHeadTerms | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if terms is None:
             return super().forward(x)
-        return dual_head_terms(self[1](self[0](x)), self[2].weight, terms)
+        return attrs.astuple(dual_head_terms(self[1](self[0](x)), self[2].weight, terms), recurse=False)
 
 
 class DominoBackbone(DFlashBackbone):
@@ -104,7 +108,8 @@ class DominoBackbone(DFlashBackbone):
         """Both heads' fused cross-entropies of a chunk of blocks: its GRU states ``[B, c, bs, g]``, and in ``terms``
         its hidden states ``[B, c, bs, H]``, labels and weights (:mod:`specforge_plugin_domino.head_loss`)."""
         start = self.head_config.suffix_start
-        return self.embed_proj(torch.cat([terms.hidden[..., start:, :], states[..., start:, :]], dim=-1), terms)
+        return DualHeadSums(*self.embed_proj(torch.cat([terms.hidden[..., start:, :], states[..., start:, :]], dim=-1),
+                                             terms))
 
     def final_logits(self, base: torch.Tensor, hidden: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """Base logits ``[.., bs, V]`` with the correction added at block positions ``>= suffix_start``.
