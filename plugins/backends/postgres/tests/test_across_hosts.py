@@ -155,9 +155,15 @@ def test_a_consumer_rank_killed_mid_run_resumes_from_its_checkpoint(cluster, tin
                               name="producer")
     consumer = cluster.launch(consumer_args(cluster, schema), host=LOOPBACK, cwd=tmp_path / "consumer", ranks=RANKS,
                               name="consumer")
+    # The producer is frozen while the stream still lacks samples, so the run cannot end before the kill
+    # however fast the machine: with 16-22 of the 24 committed the consumer trains 4 or 5 steps, and waits.
+    wait_until(lambda: cluster.committed(schema) >= 16, 300, "the producer's first 16 samples", poll_s=0.01)
+    os.kill(producer.pid, signal.SIGSTOP)
+    assert cluster.committed(schema) < SAMPLES, "the producer committed every sample before it was frozen"
     wait_until(lambda: cluster.durable_step(schema) >= 3, 300, "the consumer's third optimizer step")
     os.kill(rank_pids(consumer)[1], signal.SIGKILL)
     assert cluster.wait(consumer, 120) != 0  # torchrun ends the group when a rank dies
+    os.kill(producer.pid, signal.SIGCONT)
     assert (tmp_path / "consumer" / "out" / "latest").exists()
     resumed = cluster.launch(consumer_args(cluster, schema, LOOPBACK, "--resume", "latest"), host=LOOPBACK,
                              cwd=tmp_path / "consumer", ranks=RANKS, name="resumed")
