@@ -87,6 +87,24 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
     return zero + total, predictions
 
 
+def softmax_cross_entropy_terms(z: torch.Tensor,
+                                label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the fused losses, per row of logits ``z [R, V]``: the cross-entropy against ``label [R, 1]``, the
+    argmax and the softmax's denominator ``Σ exp(z - max)``, from one pass for the max and the argmax and one
+    exp per logit. ``z`` is left holding ``exp(z - max)``: with the denominator, the softmax (see
+    :func:`to_logit_gradient`)."""
+    picked = z.gather(-1, label).squeeze(-1)
+    peak, predictions = z.max(dim=-1)
+    mass = z.sub_(peak[:, None]).exp_().sum(-1)
+    return peak + mass.log() - picked, predictions, mass
+
+
+def to_logit_gradient(z: torch.Tensor, mass: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w (softmax - onehot(label))``, the gradient of ``Σ w·CE`` for the logits, in ``z``'s buffer, from what
+    :func:`softmax_cross_entropy_terms` left there and its denominator ``mass``; ``w [R]`` per row."""
+    return z.mul_(w[:, None] / mass[:, None]).scatter_add_(-1, label, -w[:, None])
+
+
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """:func:`frozen_head_cross_entropy`'s forward; its input gradient is computed there, so backward scales it."""
 
@@ -106,17 +124,14 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             rows = hidden[:, start:end].reshape(-1, width).to(head.dtype).to(gemm)
             z = (rows @ head_g.t()).to(acc)  # [R, V] logits of the chunk, overwritten below
             label = labels[:, start:end].reshape(-1, 1)
-            picked = z.gather(-1, label).squeeze(-1)
-            peak, ids = z.max(dim=-1)  # one pass for the argmax and the logsumexp's shift
-            mass = z.sub_(peak[:, None]).exp_().sum(-1)  # z now holds exp(z - max): one exp per logit
-            ce = (peak + mass.log() - picked).view(labels[:, start:end].shape)
+            ce, ids, mass = softmax_cross_entropy_terms(z, label)  # z now holds exp(z - max)
+            ce = ce.view(labels[:, start:end].shape)
             w = weights[:, start:end] if weighting is None else weighting.reweight(ce, weights[:, start:end])
             total += (w * ce).sum()
             predictions[:, start:end] = ids.view(ce.shape)
             if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the chunk is in cache
-                w = w.reshape(-1, 1).to(acc)
-                z.mul_(w / mass[:, None]).scatter_add_(-1, label, -w)
-                grad_hidden[:, start:end] = (z.to(gemm) @ head_g).view(batch, end - start, bs, width)
+                dz = to_logit_gradient(z, mass, label, w.reshape(-1).to(acc))
+                grad_hidden[:, start:end] = (dz.to(gemm) @ head_g).view(batch, end - start, bs, width)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
         return total, predictions

@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from specforge_core.nn import upcasts
+from specforge_plugin_dflash.loss import softmax_cross_entropy_terms, to_logit_gradient
 
 if TYPE_CHECKING:
     from specforge_plugin_dflash.dpace import LossWeighting
@@ -59,20 +60,6 @@ class DualHeadSums:
     predictions: torch.Tensor
 
 
-def _softmax_terms(z: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of ``z [R, V]``: the cross-entropy against ``label [R, 1]``, the argmax, and the softmax's
-    denominator; ``z`` is left holding ``exp(z - max)`` (one exp per logit)."""
-    picked = z.gather(-1, label).squeeze(-1)
-    peak, predictions = z.max(dim=-1)
-    mass = z.sub_(peak[:, None]).exp_().sum(-1)
-    return peak + mass.log() - picked, predictions, mass
-
-
-def _to_logit_gradient(z: torch.Tensor, mass: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``w (softmax - onehot)`` in ``z``'s buffer, from :func:`_softmax_terms`' ``exp(z - max)`` and ``mass``."""
-    return z.mul_(w[:, None] / mass[:, None]).scatter_add_(-1, label, -w[:, None])
-
-
 class _DualHead(torch.autograd.Function):
     """The module docstring's ``S`` for one chunk; gradients for ``hidden``, ``activation`` and ``w2``."""
 
@@ -93,8 +80,9 @@ class _DualHead(torch.autograd.Function):
         final += base[:, :, start:]  # [B, c, bs - start, V]: the corrected logits
         label = labels.reshape(-1, 1)
         label_s = labels[..., start:].reshape(-1, 1)
-        base_ce, base_predictions, base_mass = _softmax_terms(base.view(rows, -1), label)
-        final_ce_s, final_predictions, final_mass = _softmax_terms(final.view(label_s.shape[0], -1), label_s)
+        base, final = base.view(rows, -1), final.view(label_s.shape[0], -1)  # the same buffers, rows of logits
+        base_ce, base_predictions, base_mass = softmax_cross_entropy_terms(base, label)
+        final_ce_s, final_predictions, final_mass = softmax_cross_entropy_terms(final, label_s)
         base_ce, base_predictions = base_ce.view(labels.shape), base_predictions.view(labels.shape)
         final_ce = torch.cat([base_ce[..., :start], final_ce_s.view(suffix_shape)], dim=-1)
         predictions = torch.cat([base_predictions[..., :start], final_predictions.view(suffix_shape)], dim=-1)
@@ -105,9 +93,8 @@ class _DualHead(torch.autograd.Function):
         if any(ctx.needs_input_grad[:3]):
             coefficient = lam * wb.to(acc)
             coefficient[..., :start] += (1.0 - lam) * wf[..., :start].to(acc)
-            d_final = _to_logit_gradient(final.view(label_s.shape[0], -1), final_mass, label_s,
-                                         (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
-            d_base = _to_logit_gradient(base.view(rows, -1), base_mass, label, coefficient.reshape(-1))
+            d_final = to_logit_gradient(final, final_mass, label_s, (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
+            d_base = to_logit_gradient(base, base_mass, label, coefficient.reshape(-1))
             d_base.view(batch, blocks, bs, -1)[:, :, start:] += d_final.view(*suffix_shape, -1)
             d_final_g = d_final.to(gemm)
             if ctx.needs_input_grad[0]:

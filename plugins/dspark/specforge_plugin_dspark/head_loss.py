@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from specforge_core.nn import upcasts
+from specforge_plugin_dflash.loss import softmax_cross_entropy_terms
 
 if TYPE_CHECKING:
     from specforge_plugin_dflash.dpace import LossWeighting
@@ -81,11 +82,9 @@ class _Distillation(torch.autograd.Function):
         teacher = torch.softmax((teacher_hidden.reshape(rows, width).to(head.dtype).to(gemm) @ head_g.t()).to(acc),
                                 dim=-1)
         label = labels.reshape(rows, 1)
-        picked = z.gather(-1, label).squeeze(-1)
-        peak, predictions = z.max(dim=-1)
-        mass = z.sub_(peak[:, None]).exp_().sum(-1)
+        ce, predictions, mass = softmax_cross_entropy_terms(z, label)
         p = z.div_(mass[:, None])  # z now holds the draft's softmax
-        ce = (peak + mass.log() - picked).view(shape)
+        ce = ce.view(shape)
         sign = teacher.neg_().add_(p)  # p - t, in the teacher's buffer
         l1 = sign.abs().sum(-1).view(shape)
         sign.sign_()
