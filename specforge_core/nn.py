@@ -151,9 +151,9 @@ def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: tor
 
 
 def in_float32(x: torch.Tensor) -> torch.Tensor:
-    """Half precision as a float32 copy, float32 and float64 as they are: for attention merged from several
-    kernel calls, which then computes in float32 and rounds its output once, as one half-precision kernel
-    would, instead of once per part."""
+    """Half precision as a float32 copy, float32 and float64 as they are: where a computation made of several
+    steps (attention merged from several kernel calls, a norm's statistic) runs in float32 and rounds its
+    result once, as one half-precision kernel would, instead of once per step."""
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 

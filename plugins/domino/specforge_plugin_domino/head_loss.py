@@ -113,11 +113,10 @@ class _DualHead(torch.autograd.Function):
         return (*scaled, None, None, None, None, None, None)
 
 
-def dual_head_terms(activation: torch.Tensor, w2: torch.Tensor, terms: DualHeadTerms) -> DualHeadSums:
+def dual_head_terms(activation: torch.Tensor, w2: torch.Tensor, terms: DualHeadTerms) -> tuple[torch.Tensor, ...]:
     """The fused terms of the module docstring for a chunk whose corrected positions have the hidden activation
     ``activation [B, c, bs - start, e]`` under the correction's output weight ``w2 [V, e]`` (called by the
-    projection's forward, which holds them)."""
-    loss, sums, base_predictions, predictions = _DualHead.apply(
-        terms.hidden, activation, w2, terms.head.detach(), terms.labels, terms.weights, terms.weighting,
-        terms.suffix_start, float(terms.base_weight))
-    return DualHeadSums(loss, sums, base_predictions, predictions)
+    projection's forward, which holds them): the fields of :class:`DualHeadSums`, in order, as plain tensors
+    (what FSDP2 hooks on a module's outputs to gather its weights again for backward)."""
+    return _DualHead.apply(terms.hidden, activation, w2, terms.head.detach(), terms.labels, terms.weights,
+                           terms.weighting, terms.suffix_start, float(terms.base_weight))

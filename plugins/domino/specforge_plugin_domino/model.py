@@ -18,7 +18,6 @@ export writes them next to the backbone's keys unchanged.
 
 from __future__ import annotations
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,10 +35,10 @@ class CorrectionProjection(nn.Sequential):
     """``embed_proj``: ``Linear(H+g -> e) -> SiLU -> Linear(e -> V)``, the reference's module and parameter names.
 
     With ``terms`` (training) its forward returns instead the fused cross-entropies of both heads
-    (:mod:`specforge_plugin_domino.head_loss`) as the tensors of :class:`DualHeadSums`, in order:
-    the correction is never materialised apart from them. One call, the module's forward, so FSDP2
-    has gathered the weights; its outputs are plain tensors, which FSDP2 hooks to gather them again
-    for backward.
+    (:func:`~specforge_plugin_domino.head_loss.dual_head_terms`, the fields of :class:`DualHeadSums`
+    as plain tensors): the correction is never materialised apart from them. One call, the
+    module's forward, so FSDP2 has gathered the weights, and hooks those tensors to gather them
+    again for backward.
     """
 
     def __init__(self, inputs: int, width: int, vocab_size: int) -> None:
@@ -49,7 +48,7 @@ class CorrectionProjection(nn.Sequential):
                 terms: DualHeadTerms | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if terms is None:
             return super().forward(x)
-        return attrs.astuple(dual_head_terms(self[1](self[0](x)), self[2].weight, terms), recurse=False)
+        return dual_head_terms(self[1](self[0](x)), self[2].weight, terms)
 
 
 class DominoBackbone(DFlashBackbone):

@@ -191,7 +191,7 @@ def test_the_losss_gradients_are_the_written_out_losss(make_draft, chunk, step):
 @pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
 def test_fused_heads_equal_the_written_out_ones_in_float64(loss_type, lam):
     from specforge_plugin_dflash.dpace import LossWeighting
-    from specforge_plugin_domino.head_loss import DualHeadTerms, dual_head_terms
+    from specforge_plugin_domino.head_loss import DualHeadSums, DualHeadTerms, dual_head_terms
 
     gen = torch.Generator().manual_seed(7)
     b, c, bs, h, e, v, start = 2, 3, 5, 8, 6, 30, 2
@@ -203,8 +203,9 @@ def test_fused_heads_equal_the_written_out_ones_in_float64(loss_type, lam):
     valid = torch.rand(b, c, bs, generator=gen) > 0.2
     weighting = LossWeighting(loss_type)
     weights = weighting.position_weights(torch.rand(b, c, bs, generator=gen, dtype=torch.float64) * valid, valid)
-    fused = dual_head_terms(activation, w2, DualHeadTerms(hidden=hidden, head=head, labels=labels, weights=weights,
-                                                         weighting=weighting, suffix_start=start, base_weight=lam))
+    fused = DualHeadSums(*dual_head_terms(activation, w2, DualHeadTerms(
+        hidden=hidden, head=head, labels=labels, weights=weights, weighting=weighting, suffix_start=start,
+        base_weight=lam)))
     got = torch.autograd.grad(2.0 * fused.loss, (hidden, activation, w2), allow_unused=True)
     base = hidden @ head.T
     final = torch.cat([base[..., :start, :], base[..., start:, :] + activation @ w2.T], dim=-2)

@@ -54,8 +54,9 @@ def gather_positions(states: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 
 
 def distillation(logits: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The L1 term written out (training runs it fused, :mod:`.head_loss`): ``(L1, accept)`` per position: ``‖softmax(logits) − teacher‖₁`` (``[..., V]`` -> ``[...]``, differentiable)
-    and the acceptance probability it implies, ``clamp(1 − L1/2, 0, 1)`` (detached: a target, not a path)."""
+    """The L1 term written out (training runs it fused, :mod:`.head_loss`): ``(L1, accept)`` per position,
+    ``‖softmax(logits) − teacher‖₁`` (``[..., V]`` -> ``[...]``, differentiable) and the acceptance
+    probability it implies, ``clamp(1 − L1/2, 0, 1)`` (detached: a target, not a path)."""
     l1 = (torch.softmax(logits, dim=-1) - teacher).abs().sum(-1)
     return l1, (1.0 - l1.detach() / 2).clamp(0.0, 1.0)
 
