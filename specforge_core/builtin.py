@@ -34,9 +34,10 @@ class DiskStoreOptions:
     token: str | None = option(None, "Shared secret written on creation and checked on attach, so two jobs "
                                      "cannot mix up one directory.")
     fsync: bool = option(True, "fsync each file and the directory before a put returns (crash safety).")
-    verify_checksums: bool = option(False, "Check each tensor's checksum (crc32c, or crc32 in files written before) "
-                                           "on every get, catching flipped bytes. Costs a pass over the data, cheap "
-                                           "with the CPU's CRC instructions; header, size and shape checks always run.")
+    verify_checksums: bool = option(False, "Check each tensor's checksum (xxh3-64, or the crc32c / crc32 of files "
+                                           "written by earlier releases) on every get, catching flipped bytes. Costs "
+                                           "a pass over the data, cheap on the CPU's vector units; header, size and "
+                                           "shape checks always run.")
 
 
 @attrs.frozen

@@ -10,6 +10,7 @@ import weakref
 import zlib
 
 import crc32c
+import xxhash
 
 import attrs
 import pytest
@@ -26,6 +27,7 @@ from specforge_core.errors import (
     StaleRefError,
     StoreFullError,
 )
+from specforge_core.checksums import CRC32C
 from specforge_core.feature_stores.disk import DiskFeatureStore
 from specforge_core.feature_stores.memory import MemoryFeatureStore
 from specforge_core.protocols import BuildContext, FeatureStore
@@ -371,12 +373,12 @@ def _rewrite_header(path, edit) -> None:
     (lambda h: h.update(__metadata__={"specforge.ref": 3}), "its __metadata__ is not a map of strings"),
     (lambda h: h.pop("__metadata__"), "its specforge metadata is missing or malformed"),
     (lambda h: h.update(__metadata__={**h["__metadata__"], "specforge.checksums": "[]"}),
-     "its recorded crc32cs are not a map"),
+     "its recorded xxh3-64 checksums are not a map"),
     (lambda h: h["__metadata__"].pop("specforge.checksums"),
      r"its specforge metadata is missing or malformed \(KeyError"),
     (lambda h: h["__metadata__"].update({"specforge.checksum": "sha3"}),
-     r"it records checksums of kind 'sha3', which this specforge does not know \(known: crc32, crc32c\); read it "
-     "with the release that wrote it, or turn verify_checksums off"),
+     r"it records checksums of kind 'sha3', which this specforge does not know \(known: crc32, crc32c, xxh3-64\); "
+     "read it with the release that wrote it, or turn verify_checksums off"),
     (lambda h: h.update(other=h.pop("hidden_states")), "it has no tensor 'hidden_states', which the ref lists"),
 ], ids=["dtype", "negative-dim", "no-offsets", "size-vs-shape", "gap", "metadata-type", "no-metadata", "crc-not-map",
         "no-crc", "unknown-checksum-kind", "missing-tensor"])
@@ -425,7 +427,7 @@ def test_disk_flipped_data_byte_fails_the_checksum(damaged):
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its crc32"):
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"):
         store.get(victim)
     _bystander_unharmed(store, bystander)
 
@@ -467,11 +469,11 @@ def test_disk_batch_read_of_a_flipped_byte_raises_after_then_and_drops_its_resul
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
     calls = []
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its crc32"):
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"):
         store.get_batch([bystander, victim], None, calls.append)  # small: checked before then, which never runs
     assert calls == []
     monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # checked beside then
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its crc32"):
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"):
         store.get_batch([bystander, victim], None, lambda samples: calls.append(len(samples)) or "batch")
     assert calls == [2]  # the collate ran, its batch was never returned
     with pytest.raises(CorruptFeatureError, match="delete it and capture"):  # a synchronous error stays one
@@ -481,21 +483,50 @@ def test_disk_batch_read_of_a_flipped_byte_raises_after_then_and_drops_its_resul
     _bystander_unharmed(store, bystander)
 
 
-def test_disk_records_the_plain_crc32c_of_large_tensors_and_catches_a_flip_in_any_block(tmp_path):
+def test_disk_records_the_plain_xxh3_64_of_large_tensors_and_catches_a_flip_anywhere(tmp_path):
     store = disk_store(tmp_path / "store", verify_checksums=True)
-    big = torch.randint(0, 256, (9 * 2**20 + 3,), dtype=torch.uint8)  # three crc blocks, the last one short
+    big = torch.randint(0, 256, (9 * 2**20 + 3,), dtype=torch.uint8)
     ref = store.put("big", {"hidden_states": big})
     path = sample_file(store, "big")
     with safe_open(str(path), framework="pt") as reader:
         metadata = reader.metadata()
-    assert metadata["specforge.checksum"] == "crc32c"
-    assert json.loads(metadata["specforge.checksums"]) == {"hidden_states": crc32c.crc32c(big.numpy().tobytes())}
+    assert metadata["specforge.checksum"] == "xxh3-64"
+    assert json.loads(metadata["specforge.checksums"]) == {"hidden_states": xxhash.xxh3_64_intdigest(big.numpy())}
     assert "specforge.crc32" not in metadata
+    for offset in (5 * 2**20, 1):  # the middle of the tensor, its last byte
+        data = bytearray(path.read_bytes())
+        data[len(data) - offset] ^= 0x80
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its xxh3-64 check"):
+            store.get(ref)
+        data[len(data) - offset] ^= 0x80
+        path.write_bytes(bytes(data))
+        assert torch.equal(store.get(ref)["hidden_states"], big)  # the mended file reads again
+
+
+def test_disk_reads_and_verifies_files_of_the_release_that_recorded_crc32c(tmp_path, monkeypatch):
+    from specforge_core.feature_stores import disk
+
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    big = torch.randint(0, 256, (9 * 2**20 + 3,), dtype=torch.uint8)  # three crc blocks, the last one short
+    tensors = {"hidden_states": big, "input_ids": torch.arange(64)}
+    with monkeypatch.context() as patch:  # a put as that release made it
+        patch.setattr(disk, "DEFAULT_CHECKSUM", CRC32C)
+        ref = store.put("crc32c-era", tensors)
+    path = sample_file(store, "crc32c-era")
+    with safe_open(str(path), framework="pt") as reader:
+        metadata = reader.metadata()
+    assert metadata["specforge.checksum"] == "crc32c"
+    assert json.loads(metadata["specforge.checksums"]) == {
+        name: crc32c.crc32c(tensor.numpy().tobytes()) for name, tensor in tensors.items()}
+    assert_same_tensors(store.get(ref), tensors)
+    assert [r.sample_id for r in store.scan()] == ["crc32c-era"]
     data = bytearray(path.read_bytes())
-    data[len(data) - 5 * 2**20] ^= 0x80  # inside the middle block
+    data[len(data) - 5 * 2**20] ^= 0x80  # inside big's middle crc block
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32c check"):
         store.get(ref)
+    assert path.exists()
 
 
 def _write_pre_crc32c_file(store: DiskFeatureStore, sample_id: str, tensors: dict) -> tuple:

@@ -151,7 +151,7 @@ def test_a_flipped_byte_in_a_verified_store_stops_its_batch_before_training_sees
     open(victim, "wb").write(bytes(data))
     loader = FeatureDataLoader(store, collate, refs=refs, batch_size=2, shuffle=False)
     seen = []
-    with pytest.raises(CorruptFeatureError, match=re.escape(victim) + r".*fails its crc32c check"):
+    with pytest.raises(CorruptFeatureError, match=re.escape(victim) + r".*fails its xxh3-64 check"):
         for batch in loader:
             seen.append(list(batch.sample_ids))
     assert seen == [[ref.sample_id for ref in refs[:2]]]  # the first batch trained, the damaged one never

@@ -15,9 +15,10 @@ can name a path outside ``ROOT``.
 Each file's safetensors metadata holds the :class:`SampleRef` as it was put
 (``specforge.ref``), its generation and sample id as one short string that a get compares
 (``specforge.key``), and a checksum of each tensor's bytes: its kind in
-``specforge.checksum`` (``crc32c``) and the values in ``specforge.checksums``. Files written
-before crc32c have no ``specforge.checksum`` and zlib crc32s in ``specforge.crc32``; they
-are read and verified as they are. A feature file is data, never code: nothing here
+``specforge.checksum`` (``xxh3-64``; files of earlier releases say ``crc32c``) and the
+values in ``specforge.checksums``. Files written before crc32c have no
+``specforge.checksum`` and zlib crc32s in ``specforge.crc32``. Every one of them is read and
+verified as it is. A feature file is data, never code: nothing here
 unpickles.
 """
 
@@ -53,7 +54,7 @@ _MANIFEST = "STORE.json"
 _FORMAT = "specforge-disk-store"
 _VERSION = 1
 _REF_KEY = "specforge.ref"
-_CHECKSUM_KEY = "specforge.checksum"  # the kind of checksums the file records ("crc32c")
+_CHECKSUM_KEY = "specforge.checksum"  # the kind of checksums the file records ("xxh3-64", "crc32c")
 _CHECKSUMS_KEY = "specforge.checksums"  # {"name": checksum of the tensor's bytes}
 _LEGACY_CRC_KEY = "specforge.crc32"  # files written before crc32c: {"name": zlib crc32}
 _KEY_KEY = "specforge.key"  # "<generation>:<ascii() of the sample id>", the identity a get checks
@@ -90,8 +91,8 @@ class DiskFeatureStore(BaseFeatureStore):
       dtypes, or whose bytes fail their checksum raises :class:`CorruptFeatureError`
       naming the file; a short or wrong tensor is never returned. The checksum pass
       (``verify_checksums``, off by default; the size and shape checks always run) reads
-      every byte once more: with crc32c on the CPU's CRC instructions that pass is cheaper
-      than the copy that follows it. ``get`` runs it before returning; ``get_batch`` (what
+      every byte once more: xxh3-64 on the CPU's vector units makes that pass cheaper than
+      the copy that follows it. ``get`` runs it before returning; ``get_batch`` (what
       the feature loader calls) runs it on another thread while the collate copies the
       same pages, and raises after the collate if a sample fails (see
       ``bench/feature_stores.py``).
@@ -476,7 +477,7 @@ def _recorded_crcs(header: _Header) -> tuple[ChecksumKind, dict[str, int]]:
     except (KeyError, ValueError) as exc:
         raise _corrupt(header.path, f"its specforge metadata is missing or malformed ({exc!r})") from None
     if not isinstance(crcs, dict):
-        raise _corrupt(header.path, f"its recorded {kind.name}s are not a map")
+        raise _corrupt(header.path, f"its recorded {kind.name} checksums are not a map")
     return kind, crcs
 
 
