@@ -72,24 +72,44 @@ class _UpcastLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        weight32 = weight.float()
-        grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        for part in _row_chunks(rows.shape[0], max(rows.shape[1], weight.shape[0])):
-            grad32 = grad_rows[part].float()
-            if grad_x is not None:
-                grad_x[part] = grad32 @ weight32
-            if grad_w is not None:
-                grad_w.addmm_(grad32.t(), rows[part].float())
-            if grad_b is not None:
-                grad_b += grad32.sum(0)
-        return (None if grad_x is None else grad_x.view(x.shape),
-                None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(ctx.bias_dtype))
+        need_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        grad_x, grad_w, grad_b = _upcast_linear_grads(grad, x, weight, ctx.needs_input_grad[0],
+                                                      ctx.needs_input_grad[1], need_bias)
+        return grad_x, grad_w, None if grad_b is None else grad_b.to(ctx.bias_dtype)
+
+
+def _upcast_linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool,
+                         need_b: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                        torch.Tensor | None]:
+    """The input, weight and (float32) bias gradients of ``x @ weight.T (+ b)`` for half-precision
+    operands, as float32 GEMMs over a chunk of rows at a time (see :class:`_UpcastLinear`)."""
+    grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    weight32 = weight.float()
+    grad_x = torch.empty_like(rows) if need_x else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+    for part in _row_chunks(rows.shape[0], max(rows.shape[1], weight.shape[0])):
+        grad32 = grad_rows[part].float()
+        if grad_x is not None:
+            grad_x[part] = grad32 @ weight32
+        if grad_w is not None:
+            grad_w.addmm_(grad32.t(), rows[part].float())
+        if grad_b is not None:
+            grad_b += grad32.sum(0)
+    return (None if grad_x is None else grad_x.view(x.shape),
+            None if grad_w is None else grad_w.to(weight.dtype), grad_b)
+
+
+def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool = True,
+                 need_w: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and weight gradients of :func:`linear` (no bias) given its output's gradient ``grad``,
+    computed as its backward computes them (float32 GEMMs where it upcasts), for autograd functions
+    that recompute a linear's input in backward instead of keeping it."""
+    if x.dtype == weight.dtype and upcasts(x.numel() // max(1, x.shape[-1]), weight):
+        return _upcast_linear_grads(grad, x, weight, need_x, need_w)[:2]
+    grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    return ((grad_rows @ weight).view(x.shape) if need_x else None,
+            grad_rows.t() @ rows if need_w else None)
 
 
 #: A weight of at least this many elements is "large" for :func:`upcast_pays`.
@@ -305,6 +325,35 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(gate, up)
 
 
+class _GatedDownProj(torch.autograd.Function):
+    """:func:`gated_down_proj`, keeping ``gate`` and ``up`` (and the weight) for backward and recomputing
+    ``silu(gate) * up`` there. Written out (``linear(silu_mul(gate, up), weight)``), the product is
+    kept as the down projection's input: a third ``[.., I]`` tensor, the widest a decoder layer keeps
+    but for the attention's. Backward is the written-out form's operations in the same order."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, weight)
+        return linear(F.silu(gate).mul_(up), weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        need_gate, need_up, need_weight = ctx.needs_input_grad
+        product = F.silu(gate).mul_(up)  # in place: one [.., I] transient, freed before the next
+        grad_product, grad_weight = linear_grads(grad, product, weight, need_gate or need_up, need_weight)
+        del product
+        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate) if need_gate else None
+        grad_up = grad_product * F.silu(gate) if need_up else None
+        return grad_gate, grad_up, grad_weight
+
+
+def gated_down_proj(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear(silu(gate) * up, weight)``: the gated MLP's product and down projection in one step, with
+    the written-out form's values and gradients, keeping only its inputs for backward."""
+    return _GatedDownProj.apply(gate, up, weight)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``, the statistic in float32 (as Llama and Qwen compute it); see :func:`rms_norm`."""
 
@@ -327,7 +376,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return gated_down_proj(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

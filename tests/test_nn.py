@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge_core.hfconfig import config_value, rope_theta
-from specforge_core.nn import RMSNorm, SwiGLU, apply_rope, in_float32, rms_norm, rope_cos_sin, silu_mul
+from specforge_core.nn import (RMSNorm, SwiGLU, apply_rope, gated_down_proj, in_float32, linear, rms_norm, rope_cos_sin,
+                               silu_mul)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -188,3 +189,54 @@ def test_rms_norm_and_silu_mul_keep_only_their_inputs_for_backward(dtype):
     gate, up = (torch.randn(rows, width).to(dtype).requires_grad_() for _ in range(2))
     assert _saved_bytes(silu_mul, gate, up) == 2 * rows * width * element
     assert _saved_bytes(lambda g, u: F.silu(g) * u, gate, up) == 3 * rows * width * element
+
+
+def test_gated_down_proj_has_the_written_out_gradients_in_float64():
+    gen = torch.Generator().manual_seed(2)
+    gate, up = (torch.randn(3, 5, 6, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    weight = torch.randn(4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(gated_down_proj, (gate, up, weight))
+    only_weight = torch.autograd.grad(gated_down_proj(gate.detach(), up.detach(), weight).sum(), weight)[0]
+    torch.testing.assert_close(only_weight, (F.silu(gate) * up).detach().reshape(-1, 6).sum(0).expand(4, 6),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("route", ["native", "fp32"])  # half precision through torch's kernel / as float32 GEMMs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_down_proj_is_the_written_out_form_bit_for_bit(half_gemm, route, dtype):
+    half_gemm(route)
+    gen = torch.Generator().manual_seed(3)
+    gate, up = ((torch.randn(2, 64, 48, generator=gen) * 2).to(dtype).requires_grad_() for _ in range(2))
+    weight = (torch.randn(32, 48, generator=gen) / 7).to(dtype).requires_grad_()
+    grad = torch.randn(2, 64, 32, generator=gen).to(dtype)
+    ours, written = gated_down_proj(gate, up, weight), linear(silu_mul(gate, up), weight)
+    upcast = dtype == torch.bfloat16 and route == "fp32"
+    assert torch.equal(ours, written) and ours.dtype == dtype
+    for a, b in zip(torch.autograd.grad(ours, (gate, up, weight), grad),
+                    torch.autograd.grad(written, (gate, up, weight), grad)):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    assert upcast == ("UpcastLinear" in type(linear(silu_mul(gate, up), weight).grad_fn).__name__)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_down_proj_keeps_only_its_inputs_for_backward(dtype):
+    rows, width, out = 256, 96, 32
+    gate, up = (torch.randn(rows, width).to(dtype).requires_grad_() for _ in range(2))
+    weight = torch.randn(out, width).to(dtype).requires_grad_()
+    element = gate.element_size()
+    assert _saved_bytes(gated_down_proj, gate, up, weight) == (2 * rows + out) * width * element
+    # written out: the product silu(gate) * up as well, the down projection's input
+    assert _saved_bytes(lambda g, u, w: linear(silu_mul(g, u), w), gate, up, weight) == \
+        (3 * rows + out) * width * element
+
+
+def test_swiglu_runs_its_down_projection_through_gated_down_proj():
+    mlp = SwiGLU(8, 12)
+    x = torch.randn(3, 8, requires_grad=True)
+    assert "GatedDownProj" in type(mlp(x).grad_fn).__name__
+    written = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert torch.equal(mlp(x), written)
+    grads = torch.autograd.grad(mlp(x).square().sum(), [x, *mlp.parameters()])
+    written_grads = torch.autograd.grad(written.square().sum(), [x, *mlp.parameters()])
+    for a, b in zip(grads, written_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
