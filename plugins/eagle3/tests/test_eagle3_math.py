@@ -438,6 +438,13 @@ def test_collate_refuses_samples_that_miss_a_feature_or_disagree_on_length():
         strategy.collate([short], ["x"])
 
 
+@pytest.mark.parametrize(("vocab", "rows"), [(1024, 1024), (4096, 256), (8192, 128), (49152, 128), (151936, 128)])
+def test_a_head_loss_chunk_holds_4_mib_of_logits_and_never_fewer_than_128_rows(vocab, rows):
+    from specforge_plugin_eagle3.head_loss import chunk_rows
+
+    assert chunk_rows(vocab) == rows
+
+
 @pytest.mark.parametrize("chunk", [16, 3])
 def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(monkeypatch, chunk):
     """Rows 0..6 of 7-wide hidden states against an 11-token head, teacher rows picked by index, one row
