@@ -202,62 +202,72 @@ def _chunks_causal(q: torch.Tensor) -> bool:
     return q.shape[2] > CAUSAL_CHUNK and q.dtype in (torch.float32, torch.float64)
 
 
-def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention (query t sees keys ``<= t``; q and k of one length) by the CPU flash kernel:
-    ``(out [B, h, S, d] in q's dtype, logsumexp [B, h, S] float32, float64 kept)``, as :func:`cpu_flash_attention` with
-    ``causal=True`` returns them.
+def _query_chunks(q: torch.Tensor, query_start: int) -> list[tuple[int, int]] | None:
+    """The query chunks :func:`cpu_causal_attention` runs ``q`` in (``None``: one aligned causal call)."""
+    if _chunks_causal(q):
+        return _causal_chunks(q.shape[2])
+    return [(0, q.shape[2])] if query_start else None
+
+
+def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                         query_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention by the CPU flash kernel: query i sits at position ``query_start + i`` and sees
+    the keys at positions ``<= query_start + i`` (k and v span at least ``query_start + Q`` positions);
+    ``(out [B, h, Q, d] in q's dtype, logsumexp [B, h, Q] float32, float64 kept)``, as
+    :func:`cpu_flash_attention` with ``causal=True`` returns them.
 
     The kernel walks keys in blocks of up to 512 and can skip only whole blocks, so below about
     a thousand positions one causal call computes the masked half too (at S = 512 it costs what
     a call without the mask does). Here each chunk of :data:`CAUSAL_CHUNK` queries attends its
     own keys (causal, aligned) and the keys before them (no mask) in two calls, merged by
     log-sum-exp: the masked half is never computed (float32 fwd + bwd at S 512, d 64: 16 ms instead
-    of 26; at S 2048: 224 instead of 263). Half precision stays one causal call (:func:`_chunks_causal`).
-    Backward: :func:`cpu_causal_attention_backward`.
+    of 26; at S 2048: 224 instead of 263). Half precision from position 0 stays one causal call
+    (:func:`_chunks_causal`). Backward: :func:`cpu_causal_attention_backward`.
     """
-    length = q.shape[2]
-    if not _chunks_causal(q):
+    chunks = _query_chunks(q, query_start)
+    if chunks is None:
         return cpu_flash_attention(q, k, v, causal=True, scale=scale)
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    for start, end in _causal_chunks(length):
-        rows = slice(start, end)
-        own = cpu_flash_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], causal=True, scale=scale)
-        if start:
-            own = merge_attention(*own, *cpu_flash_attention(q[:, :, rows], k[:, :, :start], v[:, :, :start],
+    for start, end in chunks:
+        rows, first = slice(start, end), query_start + start
+        keys = slice(first, query_start + end)
+        own = cpu_flash_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=True, scale=scale)
+        if first:
+            own = merge_attention(*own, *cpu_flash_attention(q[:, :, rows], k[:, :, :first], v[:, :, :first],
                                                               scale=scale))
         out[:, :, rows], lse[:, :, rows] = own
     return out.to(q.dtype), lse
 
 
 def cpu_causal_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor, lse: torch.Tensor, *,
-                                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  out: torch.Tensor, lse: torch.Tensor, *, scale: float | None = None,
+                                  query_start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_q, grad_k, grad_v)`` of :func:`cpu_causal_attention`, by the same chunks; ``out`` and ``lse``
     may be those of an attention merged over more keys (see :func:`cpu_flash_attention_backward`)."""
-    length = q.shape[2]
-    if not _chunks_causal(q):
+    chunks = _query_chunks(q, query_start)
+    if chunks is None:
         return cpu_flash_attention_backward(grad_out, q, k, v, out, lse, causal=True, scale=scale)
     acc = torch.promote_types(q.dtype, torch.float32)
     grad_q = torch.empty(q.shape, dtype=acc, device=q.device)
     grad_k = torch.zeros(k.shape, dtype=acc, device=k.device)
     grad_v = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for start, end in _causal_chunks(length):
-        rows = slice(start, end)
+    for start, end in chunks:
+        rows, first = slice(start, end), query_start + start
+        keys = slice(first, query_start + end)
         part = (grad_out[:, :, rows], q[:, :, rows])
         merged = (out[:, :, rows], lse[:, :, rows])
-        dq, dk, dv = cpu_flash_attention_backward(*part, k[:, :, rows], v[:, :, rows], *merged, causal=True,
+        dq, dk, dv = cpu_flash_attention_backward(*part, k[:, :, keys], v[:, :, keys], *merged, causal=True,
                                                   scale=scale)
         grad_q[:, :, rows] = dq
-        grad_k[:, :, rows] += dk
-        grad_v[:, :, rows] += dv
-        if start:
-            dq, dk, dv = cpu_flash_attention_backward(*part, k[:, :, :start], v[:, :, :start], *merged, scale=scale)
+        grad_k[:, :, keys] += dk
+        grad_v[:, :, keys] += dv
+        if first:
+            dq, dk, dv = cpu_flash_attention_backward(*part, k[:, :, :first], v[:, :, :first], *merged, scale=scale)
             grad_q[:, :, rows] += dq
-            grad_k[:, :, :start] += dk
-            grad_v[:, :, :start] += dv
+            grad_k[:, :, :first] += dk
+            grad_v[:, :, :first] += dv
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 

@@ -108,6 +108,35 @@ def test_chunked_causal_flash_attention_equals_dense_causal_attention_with_its_g
         assert got.dtype == torch.float64 and torch.allclose(got, leaf.grad, atol=1e-12)
 
 
+@pytest.mark.parametrize(("query_start", "dtype"), [(5, torch.float64), (1, torch.float64), (4, torch.bfloat16)])
+def test_causal_flash_attention_of_queries_from_a_later_position_is_those_rows_of_the_whole(monkeypatch, query_start,
+                                                                                             dtype):
+    """Queries at positions query_start..10 of 11 keys: the rows of the attention of all 11 queries, with the
+    gradients those rows send to q, k and v (float64: chunks of 4, the first one not at a chunk boundary of
+    the whole; bf16: one chunk over its own keys merged with the keys before it)."""
+    from specforge_core import nn as sf_nn
+
+    monkeypatch.setattr(sf_nn, "CAUSAL_CHUNK", 4)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, grad = (torch.randn(2, n, 11, 8, generator=gen, dtype=torch.float64) for n in (4, 2, 2, 4))
+    scale = 8 ** -0.5
+    rows = slice(query_start, 11)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = _dense_causal(*leaves, scale)
+    want_out[:, :, rows].backward(grad[:, :, rows])
+    q_part = q[:, :, rows].to(dtype)
+    out, lse = sf_nn.cpu_causal_attention(q_part, k.to(dtype), v.to(dtype), scale=scale, query_start=query_start)
+    grads = sf_nn.cpu_causal_attention_backward(grad[:, :, rows].to(dtype), q_part, k.to(dtype), v.to(dtype),
+                                                out, lse, scale=scale, query_start=query_start)
+    tolerance = 1e-12 if dtype == torch.float64 else 3e-2
+    assert out.dtype == dtype and out.shape == (2, 4, 11 - query_start, 8)
+    assert torch.allclose(out.double(), want_out[:, :, rows], atol=tolerance)
+    assert torch.allclose(lse.double(), want_lse[:, :, rows], atol=tolerance)
+    assert grads[0].shape == q_part.shape and grads[1].shape == k.shape
+    for got, want in zip(grads, (leaves[0].grad[:, :, rows], leaves[1].grad, leaves[2].grad)):
+        assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tolerance)
+
+
 def test_merging_attention_over_two_key_sets_equals_attention_over_both():
     from specforge_core.nn import cpu_flash_attention, merge_attention
 

@@ -103,9 +103,30 @@ def teacher(model: Eagle3Draft, last_hidden: torch.Tensor,
     return p_t, target_ids, position_mask
 
 
+def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> list[tuple[int, int]] | None:
+    """The positions each unroll step must compute for the loss, as :meth:`Eagle3Draft.unroll`'s ``windows``.
+
+    Step k scores hidden row t against the teacher at t+k, and row t of step k feeds only row t
+    of step k+1, so from step 1 on only positions ``first - (K-1) .. last - k`` matter, where
+    ``first`` and ``last`` are the first and last supervised positions of any sample and K the
+    unroll length: a prompt before ``first`` (less the K-1 positions deeper steps reach back)
+    and the tail after ``last - k`` are never computed. Step 0 stays whole: every position's
+    step-0 key is attended to. ``None`` (every step whole) without supervised positions. One
+    host sync.
+    """
+    s = position_mask.shape[1]
+    supervised = position_mask.any(0).nonzero().squeeze(1)
+    if not supervised.numel():
+        return None
+    first, last = (int(v) for v in supervised[[0, -1]].tolist())
+    lo = max(0, first - (ttt_length - 1))
+    return [(0, s)] + [(lo, max(lo + 1, min(s, last - k + 1))) for k in range(1, ttt_length)]
+
+
 def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, target_ids: torch.Tensor,
              position_mask: torch.Tensor, loss_mask: torch.Tensor, d2t: torch.Tensor,
-             decay: float) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+             decay: float, windows: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor,
+                                                                                dict[str, tuple[float, float]]]:
     """The unrolled loss and its ratio metrics.
 
     ``step_hidden[k] [B, S, h]`` at position t is supervised by the teacher at t+k: the
@@ -114,7 +135,9 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     ``position_mask[j]`` are found once, and step k scores hidden row j-k against teacher
     row j (rows with j < k have no hidden row that deep; they are scored with weight 0).
     ``score(rows [R, h], targets)`` returns ``(sum_r w_r CE, draft ids [R])``
-    (the draft's ``lm_head(norm(rows), targets)``, :mod:`.head_loss`).
+    (the draft's ``lm_head(norm(rows), targets)``, :mod:`.head_loss`). With ``windows``
+    (:func:`unroll_windows`) ``step_hidden[k]`` holds positions ``lo .. hi-1`` only; every row
+    a step scores with weight 1 lies inside (a weight-0 row is taken at the window's edge).
 
     Ratio metrics: ``loss`` (sum_k decay^k S_k, N_0), ``ploss_k`` (S_k, N_k), and ``acc_k``
     (#[d2t(argmax logits_k) == target argmax] over loss_mask_k, #loss_mask_k) — the mask is
@@ -131,8 +154,12 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     for k, hidden in enumerate(step_hidden):
         live = depth >= k
         rows = torch.where(live, teacher_rows - k, teacher_rows)
+        width = hidden.shape[1]
+        if width != s:  # a window: row b*S + t is row b*width + (t - lo) of this step's hidden
+            lo = windows[k][0]
+            rows = torch.div(rows, s, rounding_mode="floor") * width + ((rows % s) - lo).clamp(0, width - 1)
         weight = live.to(torch.float32)
-        step_sum, draft_ids = score(hidden.reshape(b * s, -1).index_select(0, rows),
+        step_sum, draft_ids = score(hidden.reshape(b * width, -1).index_select(0, rows),
                                     SoftTargets(p_rows, teacher_rows, weight))
         total = total + decay ** k * step_sum
         with torch.no_grad():

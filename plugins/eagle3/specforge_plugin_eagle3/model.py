@@ -18,7 +18,7 @@ export), and — unlike parameters — never sharded by FSDP2, so the teacher ca
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -126,10 +126,11 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
+    def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float, query_start: int,
                 *diag: torch.Tensor) -> torch.Tensor:
         groups = q.shape[1] // k0.shape[1]
-        out0, lse0 = cpu_causal_attention(in_float32(q), in_float32(k0), in_float32(v0), scale=scale)
+        out0, lse0 = cpu_causal_attention(in_float32(q), in_float32(k0), in_float32(v0), scale=scale,
+                                          query_start=query_start)
         q32, keys, values = in_float32(q), diag[0::2], diag[1::2]
         scores = [(q32 * repeat_kv(k, groups)).sum(-1) * scale for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
@@ -137,7 +138,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         for s_j, v in zip(scores, values):
             out += (s_j - lse).exp_()[..., None] * repeat_kv(v, groups)
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)  # out in float32, as the kernels' backward reads it
-        ctx.scale, ctx.groups = scale, groups
+        ctx.scale, ctx.groups, ctx.query_start = scale, groups, query_start
         return out.to(q.dtype)
 
     @staticmethod
@@ -146,7 +147,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         q, k0, v0 = in_float32(q_in), in_float32(k0_in), in_float32(v0_in)
         scale, groups = ctx.scale, ctx.groups
         grad_out = in_float32(grad_out).contiguous()
-        grad_q, grad_k0, grad_v0 = cpu_causal_attention_backward(grad_out, q, k0, v0, out, lse, scale=scale)
+        grad_q, grad_k0, grad_v0 = cpu_causal_attention_backward(grad_out, q, k0, v0, out, lse, scale=scale,
+                                                                 query_start=ctx.query_start)
         grads: list[torch.Tensor] = []
         if diag:
             total = (grad_out * out).sum(-1)  # rowsum(dout * out), the softmax backward's shift
@@ -157,11 +159,11 @@ class _CausalPlusDiagonal(torch.autograd.Function):
                 grad_q = grad_q + (d_score * scale)[..., None] * k_h
                 grads += [_per_kv_head((d_score * scale)[..., None] * q, groups).to(k.dtype),
                           _per_kv_head(p_j[..., None] * grad_out, groups).to(v.dtype)]
-        return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, *grads)
+        return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, None, *grads)
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | str | None,
-                  diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                  diag: list[tuple[torch.Tensor, torch.Tensor]], query_start: int = 0) -> torch.Tensor:
     """Attention over step-0 keys (masked by ``mask0``) plus one diagonal key per extra step.
 
     q [B, nh, S, d]; k0, v0 [B, nkv, T, d]; mask0 [B|1, 1, S, T]: bool (True = visible), a
@@ -175,12 +177,22 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     ``mask0`` :data:`CAUSAL` (training on right-padded rows on CPU, T = S): query t sees step-0
     keys s <= t, which is the bool mask's pattern wherever it matters (a padded key is after
     every real query); it runs as :class:`_CausalPlusDiagonal`.
+
+    ``query_start``: the queries are positions ``query_start .. query_start + S - 1`` of the step-0
+    keys (a window of a training unroll's later steps, :meth:`Eagle3Draft.unroll`); ``mask0``
+    still covers every position (its rows are taken from ``query_start`` on), and each diagonal
+    pair covers the queries' positions from ``query_start`` on (longer ones are cut to S).
     """
+    length = q.shape[2]
+    diag = [(k[:, :, :length], v[:, :, :length]) if k.shape[2] != length else (k, v) for k, v in diag]
     if isinstance(mask0, str):
         if q.device.type != "cpu":
             raise ValueError(f"mask0={mask0!r} runs on CPU's flash kernel; on {q.device.type} pass the additive "
                              "mask (additive_mask), built once per batch")
-        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, *(t for pair in diag for t in pair))
+        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, query_start,
+                                         *(t for pair in diag for t in pair))
+    if mask0 is not None and mask0.shape[-2] != length:
+        mask0 = mask0[..., query_start:query_start + length, :]
     groups = q.shape[1] // k0.shape[1]
     q = q * q.shape[-1] ** -0.5  # scale the queries, not the S x T scores
     scores = torch.matmul(q, repeat_kv(k0, groups).transpose(2, 3)).float()  # [B, nh, S, T]
@@ -195,6 +207,31 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     for j, (_, v) in enumerate(diag):
         out = out + probs[..., t + j, None] * repeat_kv(v, groups)
     return out
+
+
+def check_windows(windows: Sequence[tuple[int, int]] | None, ttt_length: int, length: int) -> list[tuple[int, int]]:
+    """``windows`` as :meth:`Eagle3Draft.unroll` runs them (``None``: every step whole), or a ValueError
+    saying what is wrong with them."""
+    if windows is None:
+        return [(0, length)] * ttt_length
+    windows = [(int(lo), int(hi)) for lo, hi in windows]
+    problem = None
+    if len(windows) != ttt_length:
+        problem = f"{len(windows)} windows for {ttt_length} unroll steps"
+    elif windows[0] != (0, length):
+        problem = f"step 0 must be whole, (0, {length}), not {windows[0]}"
+    else:
+        for k in range(1, ttt_length):
+            (lo, hi), (prev_lo, prev_hi) = windows[k], windows[k - 1]
+            if k > 1 and lo != prev_lo:  # the diagonal keys of every later step start at the same position
+                problem = f"step {k}'s window {windows[k]} starts elsewhere than step {k - 1}'s {windows[k - 1]}"
+                break
+            if not prev_lo <= lo < hi <= prev_hi:
+                problem = f"step {k}'s window {windows[k]} is not a non-empty part of step {k - 1}'s {windows[k - 1]}"
+                break
+    if problem:
+        raise ValueError(f"unroll windows {windows} for a sequence of {length}: {problem}")
+    return windows
 
 
 def right_padded(attention_mask: torch.Tensor) -> bool:
@@ -227,8 +264,9 @@ def ttt_key_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
 
 @torch.compiler.disable
 def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DraftKV, mask0: torch.Tensor | str | None,
-                      step0: bool) -> torch.Tensor:
-    """Add this step's keys to ``kv`` (step 0: ``kv.k0``; later steps: ``kv.diag``) and attend over them.
+                      step0: bool, query_start: int = 0) -> torch.Tensor:
+    """Add this step's keys to ``kv`` (step 0: ``kv.k0``; later steps: ``kv.diag``) and attend over them
+    (queries from position ``query_start`` on: see :func:`ttt_attention`).
 
     Stays eager under ``strategy.compile``: the cache is a Python object that grows every unroll
     step, which a compiled layer would guard on and recompile for.
@@ -237,7 +275,7 @@ def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dra
         kv.add_step0(k, v)
     else:
         kv.diag.append((k, v))
-    return ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag)
+    return ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag, query_start)
 
 
 class Eagle3Attention(nn.Module):
@@ -253,14 +291,15 @@ class Eagle3Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
-                mask0: torch.Tensor | str | None, step0: bool) -> torch.Tensor:
-        """x [B, S, 2h] -> [B, S, h]. Step 0 appends its keys to ``kv.k0``; later steps to ``kv.diag``."""
+                mask0: torch.Tensor | str | None, step0: bool, query_start: int = 0) -> torch.Tensor:
+        """x [B, S, 2h] -> [B, S, h]. Step 0 appends its keys to ``kv.k0``; later steps to ``kv.diag``;
+        ``query_start``: x's first position (a later step's window)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, S, d]
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, S, d]
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend_with_cache(q, k, v, kv, mask0, step0)
+        out = attend_with_cache(q, k, v, kv, mask0, step0, query_start)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -277,10 +316,10 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
-                mask0: torch.Tensor | str | None, step0: bool) -> torch.Tensor:
+                mask0: torch.Tensor | str | None, step0: bool, query_start: int = 0) -> torch.Tensor:
         """emb, hidden [B, S, h] -> the next hidden [B, S, h] (before the final norm)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2h]
-        hidden = hidden + self.self_attn(x, cos, sin, kv, mask0, step0)
+        hidden = hidden + self.self_attn(x, cos, sin, kv, mask0, step0, query_start)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -357,14 +396,23 @@ class Eagle3Draft(nn.Module):
         return [self.logits(hidden) for hidden in self.unroll(input_ids, aux_hidden, attention_mask, ttt_length)]
 
     def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor,
-               ttt_length: int) -> list[torch.Tensor]:
+               ttt_length: int, windows: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
         """The test-time-training unroll: ``h_1 .. h_K`` [B, S, h], before the final norm.
 
         input_ids [B, S]: *aligned* ids (token t+1 at position t); aux_hidden [B, S, 3H];
         attention_mask [B, S] (1 = real token). ``lm_head(norm(h_{k+1}))`` at position t predicts
         token t+2+k; the loss applies the head to the rows it supervises only (:mod:`.head_loss`).
+
+        ``windows`` (from :func:`~specforge_plugin_eagle3.loss.unroll_windows`): ``(lo, hi)`` per
+        step; step k > 0 computes positions ``lo .. hi-1`` only and returns ``[B, hi - lo, h]``.
+        A position's later steps depend only on its own earlier steps and on the step-0 keys
+        (all computed), so the window's rows are those of the whole unroll, and rows outside
+        it (a prompt before the first supervised position, the tail past the last) cost
+        nothing. Step 0 must be whole; the later steps' windows share their ``lo`` and nest (``hi``
+        never rises).
         """
         s = input_ids.shape[1]
+        windows = check_windows(windows, ttt_length, s)
         mask0: torch.Tensor | str = CAUSAL  # CPU: the causal flash kernel; elsewhere a bias built once per batch
         if input_ids.device.type != "cpu" or not right_padded(attention_mask):
             causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
@@ -372,11 +420,15 @@ class Eagle3Draft(nn.Module):
         positions = torch.arange(s, device=input_ids.device)
         hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # h_0 [B, S, h]
         kv = DraftKV()
-        ids, out = input_ids, []
-        for k in range(ttt_length):
-            cos, sin = self.rope(positions + k)  # RoPE positions +k at step k
-            hidden = self.midlayer(self.embed(ids), hidden, cos, sin, kv, mask0, step0=k == 0)  # h_{k+1}
+        ids, out, start = input_ids, [], 0
+        for k, (lo, hi) in enumerate(windows):
+            hidden = hidden[:, lo - start:hi - start] if (lo, hi - lo) != (start, hidden.shape[1]) else hidden
+            cos, sin = self.rope(positions[lo:hi] + k)  # RoPE positions +k at step k
+            step_ids = ids[:, lo:hi] if (lo, hi) != (0, s) else ids
+            hidden = self.midlayer(self.embed(step_ids), hidden, cos, sin, kv, mask0, step0=k == 0,
+                                   query_start=lo)  # h_{k+1}
             out.append(hidden)
+            start = lo
             ids = shift_left(ids)  # step k+1 at position t consumes token t+2+k; hidden stays in place
         return out
 

@@ -22,7 +22,7 @@ from specforge_core.protocols import BuildContext, CapturePlan, DataStats, Specu
 from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
 from .export import export_draft, load_draft
-from .loss import align, simulated_acceptance, tau_sim, teacher, ttt_loss
+from .loss import align, simulated_acceptance, tau_sim, teacher, ttt_loss, unroll_windows
 from .model import Eagle3Config, Eagle3Draft
 from .options import Eagle3Options, data_sized_vocab, resolve_aux_layer_ids, resolve_draft_vocab_size
 from .speculate import speculate
@@ -129,10 +129,14 @@ class Eagle3Strategy:
         ids, loss_mask, last_hidden = align(batch["input_ids"], batch["loss_mask"], batch["last_hidden"],
                                             attention_mask, self.options.loss_positions)
         p_t, target_ids, position_mask = teacher(model, last_hidden, loss_mask)
-        step_hidden = model.unroll(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length)
+        training = getattr(ctx, "training", True)
+        # training computes only the positions the loss reads; eval's decode replay reads every position
+        windows = unroll_windows(position_mask, self.options.ttt_length) if training else None
+        step_hidden = model.unroll(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length, windows)
         loss, ratios = ttt_loss(step_hidden, lambda rows, targets: model.lm_head(model.norm(rows), targets),
-                                p_t, target_ids, position_mask, loss_mask, model.d2t, self.options.loss_decay)
-        if not getattr(ctx, "training", True):  # the decode replay: eval only (a host-side walk per sample)
+                                p_t, target_ids, position_mask, loss_mask, model.d2t, self.options.loss_decay,
+                                windows)
+        if not training:  # the decode replay: eval only (a host-side walk per sample)
             with torch.no_grad():
                 step_logits = [model.logits(hidden) for hidden in step_hidden]
             ratios.update(simulated_acceptance(step_logits, target_ids, batch["loss_mask"], model.d2t))

@@ -13,7 +13,7 @@ from specforge_core.training.distributed import DistInfo
 from specforge_plugin_eagle3 import Eagle3Options
 from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
-from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss
+from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss, unroll_windows
 from specforge_core.nn import apply_rope
 from specforge_plugin_eagle3.model import (CAUSAL, additive_mask, repeat_kv, right_padded, shift_left, ttt_attention,
                                           ttt_key_mask)
@@ -496,3 +496,96 @@ def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloa
     for got, want32 in ((x.grad, x32.grad), (weight.grad, w32.grad)):
         scale = float(want32.abs().max())
         assert 0 < (got.float() - want32).abs().max() <= 2 ** -7 * scale
+
+# ---------------------------------------------------------------- unroll windows
+def test_unroll_windows_start_k_minus_1_before_the_first_supervised_position_and_end_at_the_last_one():
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[0, 8:16] = True
+    mask[1, 10:18] = True
+    assert unroll_windows(mask, 3) == [(0, 20), (6, 17), (6, 16)]  # positions 8 - 2 on; step k up to 17 - k
+    early = torch.zeros(1, 20, dtype=torch.bool)
+    early[0, [1, 19]] = True
+    assert unroll_windows(early, 4) == [(0, 20), (0, 19), (0, 18), (0, 17)]
+    late = torch.zeros(1, 8, dtype=torch.bool)
+    late[0, 6] = True
+    assert unroll_windows(late, 7) == [(0, 8), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]
+    assert unroll_windows(late, 3) == [(0, 8), (4, 6), (4, 5)]
+    only = torch.zeros(1, 8, dtype=torch.bool)
+    only[0, 7] = True
+    assert unroll_windows(only, 3)[2] == (5, 6)
+    edge = torch.zeros(1, 8, dtype=torch.bool)
+    edge[0, 2] = True
+    assert unroll_windows(edge, 4) == [(0, 8), (0, 2), (0, 1), (0, 1)]  # never empty, even past the last
+    assert unroll_windows(torch.zeros(2, 5, dtype=torch.bool), 3) is None
+
+
+@pytest.mark.parametrize("right_padded_rows", [True, False])  # the CPU flash path; the additive-mask path
+def test_a_windowed_unroll_is_the_whole_unroll_on_its_rows_with_the_same_gradients(right_padded_rows):
+    info, frozen, strategy, model = tiny_draft(ttt_length=4)
+    _samples, batch = tiny_batch(strategy, info, lengths=(24, 19), seed=3)
+    ids, aux, attention_mask = batch["input_ids"], batch["aux_hidden"], batch["attention_mask"].clone()
+    if not right_padded_rows:
+        attention_mask[0, 2] = 0  # a hole: not right-padded, so the unroll masks with the bias built once
+    windows = [(0, 24), (9, 21), (9, 20), (9, 16)]
+    weights = [torch.randn(2, 24, info.hidden_size, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def scored(step_hidden, whole):  # a weighted sum of the windows' rows
+        total = 0
+        for hidden, weight, (lo, hi) in zip(step_hidden, weights, windows):
+            total = total + ((hidden[:, lo:hi] if whole else hidden) * weight[:, lo:hi]).sum()
+        return total
+
+    whole = model.unroll(ids, aux, attention_mask, 4)
+    cut = model.unroll(ids, aux, attention_mask, 4, windows)
+    assert [tuple(h.shape[:2]) for h in cut] == [(2, 24), (2, 12), (2, 11), (2, 7)]
+    for hidden, part, (lo, hi) in zip(whole, cut, windows):
+        torch.testing.assert_close(part, hidden[:, lo:hi], rtol=1e-5, atol=1e-5)
+    params = [*model.fc.parameters(), *model.midlayer.parameters()]  # the unroll's (the head is the loss's)
+    want = torch.autograd.grad(scored(whole, True), params)
+    got = torch.autograd.grad(scored(model.unroll(ids, aux, attention_mask, 4, windows), False), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("windows", "why"), [
+    ([(0, 10), (2, 9)], "2 windows for 3 unroll steps"),
+    ([(1, 10), (2, 9), (2, 8)], r"step 0 must be whole, \(0, 10\), not \(1, 10\)"),
+    ([(0, 10), (2, 9), (1, 8)], r"step 2's window \(1, 8\) starts elsewhere than step 1's \(2, 9\)"),
+    ([(0, 10), (2, 9), (3, 8)], r"step 2's window \(3, 8\) starts elsewhere than step 1's \(2, 9\)"),
+    ([(0, 10), (2, 9), (2, 2)], r"step 2's window \(2, 2\) is not a non-empty part of step 1's \(2, 9\)"),
+    ([(0, 10), (2, 9), (2, 10)], r"step 2's window \(2, 10\) is not a non-empty part"),
+    ([(0, 10), (0, 11), (0, 9)], r"step 1's window \(0, 11\) is not a non-empty part of step 0's \(0, 10\)"),
+])
+def test_windows_that_do_not_nest_inside_the_sequence_are_refused(windows, why):
+    info, frozen, strategy, model = tiny_draft(ttt_length=3)
+    _samples, batch = tiny_batch(strategy, info, lengths=(10, 10))
+    with pytest.raises(ValueError, match=r"unroll windows .* for a sequence of 10: " + why):
+        model.unroll(batch["input_ids"], batch["aux_hidden"], batch["attention_mask"], 3, windows)
+
+
+def test_training_computes_only_the_windows_and_its_loss_and_gradients_are_the_whole_unrolls():
+    """Long prompts (12 and 9 of 24 and 20 tokens): the training step unrolls steps 1.. over positions 5..20
+    only, and its loss, metrics and gradients equal those of the eval path, which unrolls every position."""
+    info, frozen = tiny_target()
+    strategy = Eagle3Strategy(Eagle3Options(ttt_length=4, draft_vocab_size=V))  # every target token supervised
+    samples, _ = tiny_batch(strategy, info, lengths=(24, 20), seed=4)
+    for sample, prompt in zip(samples, (12, 9)):
+        sample["loss_mask"][:prompt] = 0
+    batch = strategy.collate(samples, ["a", "b"])
+    counts = sum(torch.bincount(s["input_ids"], minlength=V) for s in samples)
+    model = strategy.build_model(info, frozen, DataStats(token_counts=counts))
+    seen = []
+    real_unroll = model.unroll
+    model.unroll = lambda *args: seen.append(args[4]) or real_unroll(*args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    train = strategy.forward_loss(model, batch, StepContext(training=True))
+    train_grads = torch.autograd.grad(train.loss, params)
+    full = strategy.forward_loss(model, batch, StepContext(training=False))
+    full_grads = torch.autograd.grad(full.loss, params)
+    assert seen[0][1:] == [(5, 21), (5, 20), (5, 19)] and seen[1] is None  # first 8, last 21 (decode positions)
+    assert train.loss.item() == pytest.approx(full.loss.item(), rel=1e-6)
+    for k in range(4):
+        assert train.ratio_metrics[f"acc_{k}"] == full.ratio_metrics[f"acc_{k}"]
+        assert train.ratio_metrics[f"ploss_{k}"] == pytest.approx(full.ratio_metrics[f"ploss_{k}"], rel=1e-5)
+    for g, w in zip(train_grads, full_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
