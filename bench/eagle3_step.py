@@ -9,7 +9,11 @@ nothing is downloaded. Prints one JSON line:
     flops_per_token    model FLOPs of one training token (see :func:`flops_per_token`)
     mfu                achieved FLOP/s / the matmul peak measured in the same run, before
                        and after the timed steps (the best of the two: the physical limit
-                       on this device and dtype; a shared CPU's load moves both numbers)
+                       on this device and dtype; a shared CPU's load moves both numbers).
+                       Model FLOPs count every position of every unroll step, as the
+                       algorithm defines the step; the strategy skips some (the vocabulary
+                       head of unsupervised rows, positions outside the loss's windows in
+                       steps 1..K-1), so on batches with a prompt part ``mfu`` can exceed 1
 
     python bench/eagle3_step.py --threads 1                     # H=256, V=4096, S=512, B=2, K=7 on CPU
     python bench/eagle3_step.py --preset qwen2.5-0.5b           # ALGORITHMS.md's 33M-param draft

@@ -63,6 +63,9 @@ KERNELS = {
                                "reference": {"cpu": "nn.GRU (aten's GRU cells, autograd through every step)",
                                              "cuda": "nn.GRU (cuDNN)"}}},
     "eagle3": {
+        "ours_unroll": {"cpu": "steps 1..K-1 over the positions the loss reads only (specforge_plugin_eagle3.loss."
+                               "unroll_windows: a prompt before the first supervised position costs step 0 only)",
+                        "cuda": "the same"},
         "ours_attention": {"cpu": "step-0 keys by the flash kernel for CPU, 64 queries at a time over their own keys "
                                   "(causal) and the keys before them, merged by log-sum-exp (masked half skipped, no "
                                   "S x S scores kept; half precision computed in float32), diagonal keys as row-wise "
