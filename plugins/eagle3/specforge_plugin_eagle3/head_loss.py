@@ -37,10 +37,11 @@ MIN_CHUNK_ROWS = 128
 @attrs.frozen
 class SoftTargets:
     """What a step's loss reads: ``p [N, Vd]`` float teacher rows, ``rows [R]`` the teacher row of each
-    supervised hidden row, ``weight [R]`` float row weights (0: computed but not counted)."""
+    supervised hidden row (``None``: row r's is ``p[r]``, read without a copy), ``weight [R]`` float row
+    weights (0: computed but not counted)."""
 
     p: torch.Tensor
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     weight: torch.Tensor
 
 
@@ -54,7 +55,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
     given as tensors; the argmax (draft ids, ``[R]``) carries no gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, teacher_rows: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, teacher_rows: torch.Tensor | None,
                 row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, vocab = x.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -76,7 +77,8 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                 torch.mm(x_g[start:end], w_g.t(), out=z)
             else:
                 z.copy_(x_g[start:end] @ w_g.t())
-            p_c, w_c = p.index_select(0, teacher_rows[start:end]).to(acc), row_weight[start:end].to(acc)
+            p_c = p[start:end] if teacher_rows is None else p.index_select(0, teacher_rows[start:end])
+            p_c, w_c = p_c.to(acc), row_weight[start:end].to(acc)
             dot = torch.linalg.vecdot(p_c, z)  # p . z, before z is overwritten
             peak, ids = z.max(dim=-1)  # one pass for the argmax and the logsumexp's shift
             draft[start:end] = ids

@@ -473,6 +473,11 @@ def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(mo
     with torch.no_grad():  # no gradients wanted: the same sum and argmax
         again, again_draft = head_soft_cross_entropy(x, weight, SoftTargets(p, rows, row_weight))
     assert again.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(again_draft, draft)
+    gathered = p.index_select(0, rows)  # teacher rows gathered up front: read in place, the same loss
+    total_in_place, draft_in_place = head_soft_cross_entropy(x, weight, SoftTargets(gathered, None, row_weight))
+    assert total_in_place.item() == total.item() and torch.equal(draft_in_place, draft)
+    for got, want_grad in zip(torch.autograd.grad(2.5 * total_in_place, (x, weight)), want_grads):
+        assert torch.allclose(got, want_grad)
 
 
 def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloat16_gradients():
