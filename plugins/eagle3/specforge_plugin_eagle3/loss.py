@@ -21,7 +21,7 @@ import torch
 from specforge_core.nn import linear
 
 from .head_loss import SoftTargets
-from .model import Eagle3Draft, shift_left
+from .model import Eagle3Draft, UnrollWindows, shift_left
 
 #: ``score(rows [R, h], targets) -> (sum_r w_r CE, draft ids [R])``: the vocabulary head and its loss.
 Score = Callable[[torch.Tensor, SoftTargets], tuple[torch.Tensor, torch.Tensor]]
@@ -105,30 +105,40 @@ def teacher(model: Eagle3Draft, last_hidden: torch.Tensor,
     return p_t, target_ids, position_mask
 
 
-def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> list[tuple[int, int]] | None:
+def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> UnrollWindows | None:
     """The positions each unroll step must compute for the loss, as :meth:`Eagle3Draft.unroll`'s ``windows``.
 
     Step k scores hidden row t against the teacher at t+k, and row t of step k feeds only row t
-    of step k+1, so from step 1 on only positions ``first - (K-1) .. last - k`` matter, where
-    ``first`` and ``last`` are the first and last supervised positions of any sample and K the
-    unroll length: a prompt before ``first`` (less the K-1 positions deeper steps reach back)
-    and the tail after ``last - k`` are never computed. Step 0 stays whole: every position's
-    step-0 key is attended to. ``None`` (every step whole) without supervised positions. One
-    host sync.
+    of step k+1, so from step 1 on sample b needs only positions ``first_b - (K-1) .. last_b - k``,
+    where ``first_b`` and ``last_b`` are its first and last supervised positions and K the unroll
+    length: its prompt before ``first_b`` (less the K-1 positions deeper steps reach back) and its
+    tail after ``last_b - k`` are never computed. Every sample takes the same number of positions
+    (the widest need; a window that would run past the end starts earlier), so the steps stay
+    batched, and where one start for all would need no more positions, all start there (the
+    attention is then one kernel call instead of one per sample). Step 0 stays whole: every position's step-0 key is attended to. ``None`` (every step
+    whole) without supervised positions. One host sync.
     """
-    s = position_mask.shape[1]
-    supervised = position_mask.any(0).nonzero().squeeze(1)
-    if not supervised.numel():
+    b, s = position_mask.shape
+    positions = torch.arange(s, device=position_mask.device)
+    first = torch.where(position_mask, positions, s).amin(1)
+    last = torch.where(position_mask, positions, -1).amax(1)
+    spans = [(f, l) for f, l in zip(first.tolist(), last.tolist()) if l >= 0]
+    if not spans:
         return None
-    first, last = (int(v) for v in supervised[[0, -1]].tolist())
-    lo = max(0, first - (ttt_length - 1))
-    return [(0, s)] + [(lo, max(lo + 1, min(s, last - k + 1))) for k in range(1, ttt_length)]
+    starts = [max(0, f - (ttt_length - 1)) if l >= 0 else 0 for f, l in zip(first.tolist(), last.tolist())]
+    lows = [max(0, f - (ttt_length - 1)) for f, _ in spans]
+    widths = [s] + [max(1, max(l - k + 1 - lo for (_, l), lo in zip(spans, lows))) for k in range(1, ttt_length)]
+    if ttt_length > 1:
+        if max(l for _, l in spans) - min(lows) <= widths[1]:  # one start for all costs no width: one kernel call
+            starts = [min(lows)] * b
+        starts = [min(start, s - widths[1]) for start in starts]
+    return UnrollWindows(starts, widths)
 
 
 def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, target_ids: torch.Tensor,
              position_mask: torch.Tensor, loss_mask: torch.Tensor, d2t: torch.Tensor,
-             decay: float, windows: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor,
-                                                                                dict[str, tuple[float, float]]]:
+             decay: float, windows: UnrollWindows | None = None) -> tuple[torch.Tensor,
+                                                                         dict[str, tuple[float, float]]]:
     """The unrolled loss and its ratio metrics.
 
     ``step_hidden[k] [B, S, h]`` at position t is supervised by the teacher at t+k: the
@@ -138,8 +148,8 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     row j (rows with j < k have no hidden row that deep; they are scored with weight 0).
     ``score(rows [R, h], targets)`` returns ``(sum_r w_r CE, draft ids [R])``
     (the draft's ``lm_head(norm(rows), targets)``, :mod:`.head_loss`). With ``windows``
-    (:func:`unroll_windows`) ``step_hidden[k]`` holds positions ``lo .. hi-1`` only; every row
-    a step scores with weight 1 lies inside (a weight-0 row is taken at the window's edge).
+    (:func:`unroll_windows`) ``step_hidden[k]`` holds each sample's window only; every row a step
+    scores with weight 1 lies inside (a weight-0 row is taken at its window's edge).
 
     Ratio metrics: ``loss`` (sum_k decay^k S_k, N_0), ``ploss_k`` (S_k, N_k), and ``acc_k``
     (#[d2t(argmax logits_k) == target argmax] over loss_mask_k, #loss_mask_k) — the mask is
@@ -152,15 +162,16 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     depth = teacher_rows % s
     # every step scores against the same teacher rows: gathered once, read by each step without a copy
     p_rows, wanted = p_t.reshape(b * s, -1).index_select(0, teacher_rows), target_ids.reshape(-1)[teacher_rows]
+    starts = None if windows is None else torch.tensor(windows.starts, device=teacher_rows.device)
     total = p_t.new_zeros((), dtype=torch.float32)
     counts: list[torch.Tensor] = []  # S_k, N_k, correct_k, M_k per step: moved to the host at once
     for k, hidden in enumerate(step_hidden):
         live = depth >= k
         rows = torch.where(live, teacher_rows - k, teacher_rows)
         width = hidden.shape[1]
-        if width != s:  # a window: row b*S + t is row b*width + (t - lo) of this step's hidden
-            lo = windows[k][0]
-            rows = torch.div(rows, s, rounding_mode="floor") * width + ((rows % s) - lo).clamp(0, width - 1)
+        if width != s:  # windows: row b*S + t is row b*width + (t - starts[b]) of this step's hidden
+            sample = torch.div(rows, s, rounding_mode="floor")
+            rows = sample * width + ((rows % s) - starts[sample]).clamp(0, width - 1)
         weight = live.to(torch.float32)
         step_sum, draft_ids = score(hidden.reshape(b * width, -1).index_select(0, rows),
                                     SoftTargets(p_rows, None, weight))

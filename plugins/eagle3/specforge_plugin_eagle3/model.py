@@ -126,11 +126,11 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float, query_start: int,
-                *diag: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
+                query_start: tuple[int, ...], *diag: torch.Tensor) -> torch.Tensor:
         groups = q.shape[1] // k0.shape[1]
-        out0, lse0 = cpu_causal_attention(in_float32(q), in_float32(k0), in_float32(v0), scale=scale,
-                                          query_start=query_start)
+        out0, lse0 = _per_sample(cpu_causal_attention, query_start, in_float32(q), in_float32(k0), in_float32(v0),
+                                 scale=scale)
         q32, keys, values = in_float32(q), diag[0::2], diag[1::2]
         scores = [(q32 * repeat_kv(k, groups)).sum(-1) * scale for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
@@ -147,8 +147,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         q, k0, v0 = in_float32(q_in), in_float32(k0_in), in_float32(v0_in)
         scale, groups = ctx.scale, ctx.groups
         grad_out = in_float32(grad_out).contiguous()
-        grad_q, grad_k0, grad_v0 = cpu_causal_attention_backward(grad_out, q, k0, v0, out, lse, scale=scale,
-                                                                 query_start=ctx.query_start)
+        grad_q, grad_k0, grad_v0 = _per_sample(cpu_causal_attention_backward, ctx.query_start, grad_out, q, k0, v0,
+                                               out, lse, scale=scale)
         grads: list[torch.Tensor] = []
         if diag:
             total = (grad_out * out).sum(-1)  # rowsum(dout * out), the softmax backward's shift
@@ -162,8 +162,18 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, None, *grads)
 
 
+def _per_sample(kernel, query_start: tuple[int, ...], *tensors: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
+    """``kernel(*tensors, query_start=..)`` with sample b's queries from position ``query_start[b]``: one call
+    when every sample's start is the same, else one per sample (dim 0), concatenated."""
+    if len(set(query_start)) == 1:
+        return kernel(*tensors, query_start=query_start[0], **kwargs)
+    parts = [kernel(*(t[b:b + 1] for t in tensors), query_start=start, **kwargs) for b, start in enumerate(query_start)]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | str | None,
-                  diag: list[tuple[torch.Tensor, torch.Tensor]], query_start: int = 0) -> torch.Tensor:
+                  diag: list[tuple[torch.Tensor, torch.Tensor]],
+                  query_start: int | Sequence[int] = 0) -> torch.Tensor:
     """Attention over step-0 keys (masked by ``mask0``) plus one diagonal key per extra step.
 
     q [B, nh, S, d]; k0, v0 [B, nkv, T, d]; mask0 [B|1, 1, S, T]: bool (True = visible), a
@@ -178,21 +188,27 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     keys s <= t, which is the bool mask's pattern wherever it matters (a padded key is after
     every real query); it runs as :class:`_CausalPlusDiagonal`.
 
-    ``query_start``: the queries are positions ``query_start .. query_start + S - 1`` of the step-0
-    keys (a window of a training unroll's later steps, :meth:`Eagle3Draft.unroll`); ``mask0``
-    still covers every position (its rows are taken from ``query_start`` on), and each diagonal
-    pair covers the queries' positions from ``query_start`` on (longer ones are cut to S).
+    ``query_start`` (one for the batch, or one per sample): sample b's queries are positions
+    ``query_start[b] .. query_start[b] + S - 1`` of its step-0 keys (a window of a training
+    unroll's later steps, :meth:`Eagle3Draft.unroll`); ``mask0`` still covers every position
+    (its rows are taken from there on), and each diagonal pair covers the queries' positions
+    (longer ones, from an earlier step of the same windows, are cut to S).
     """
     length = q.shape[2]
+    starts = (query_start,) * q.shape[0] if isinstance(query_start, int) else tuple(query_start)
     diag = [(k[:, :, :length], v[:, :, :length]) if k.shape[2] != length else (k, v) for k, v in diag]
     if isinstance(mask0, str):
         if q.device.type != "cpu":
             raise ValueError(f"mask0={mask0!r} runs on CPU's flash kernel; on {q.device.type} pass the additive "
                              "mask (additive_mask), built once per batch")
-        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, query_start,
-                                         *(t for pair in diag for t in pair))
+        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, starts, *(t for pair in diag for t in pair))
     if mask0 is not None and mask0.shape[-2] != length:
-        mask0 = mask0[..., query_start:query_start + length, :]
+        if len(set(starts)) == 1:
+            mask0 = mask0[..., starts[0]:starts[0] + length, :]
+        else:  # each sample's rows from its own start
+            rows = torch.tensor(starts, device=mask0.device)[:, None] + torch.arange(length, device=mask0.device)
+            mask0 = mask0.expand(len(starts), *mask0.shape[1:]).gather(
+                2, rows[:, None, :, None].expand(-1, mask0.shape[1], -1, mask0.shape[-1]))
     groups = q.shape[1] // k0.shape[1]
     q = q * q.shape[-1] ** -0.5  # scale the queries, not the S x T scores
     scores = torch.matmul(q, repeat_kv(k0, groups).transpose(2, 3)).float()  # [B, nh, S, T]
@@ -209,29 +225,31 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     return out
 
 
-def check_windows(windows: Sequence[tuple[int, int]] | None, ttt_length: int, length: int) -> list[tuple[int, int]]:
-    """``windows`` as :meth:`Eagle3Draft.unroll` runs them (``None``: every step whole), or a ValueError
-    saying what is wrong with them."""
-    if windows is None:
-        return [(0, length)] * ttt_length
-    windows = [(int(lo), int(hi)) for lo, hi in windows]
-    problem = None
-    if len(windows) != ttt_length:
-        problem = f"{len(windows)} windows for {ttt_length} unroll steps"
-    elif windows[0] != (0, length):
-        problem = f"step 0 must be whole, (0, {length}), not {windows[0]}"
-    else:
-        for k in range(1, ttt_length):
-            (lo, hi), (prev_lo, prev_hi) = windows[k], windows[k - 1]
-            if k > 1 and lo != prev_lo:  # the diagonal keys of every later step start at the same position
-                problem = f"step {k}'s window {windows[k]} starts elsewhere than step {k - 1}'s {windows[k - 1]}"
-                break
-            if not prev_lo <= lo < hi <= prev_hi:
-                problem = f"step {k}'s window {windows[k]} is not a non-empty part of step {k - 1}'s {windows[k - 1]}"
-                break
-    if problem:
-        raise ValueError(f"unroll windows {windows} for a sequence of {length}: {problem}")
-    return windows
+@attrs.frozen
+class UnrollWindows:
+    """The positions a training unroll computes (:meth:`Eagle3Draft.unroll`): step 0 every position, step
+    k >= 1 the ``widths[k]`` positions from ``starts[b]`` on in sample b (``widths[0]`` is the sequence
+    length). Built by :func:`~specforge_plugin_eagle3.loss.unroll_windows`."""
+
+    starts: tuple[int, ...] = attrs.field(converter=tuple)
+    widths: tuple[int, ...] = attrs.field(converter=tuple)
+
+    def check(self, batch: int, length: int, ttt_length: int) -> None:
+        """Raise ValueError unless these windows fit a ``[batch, length]`` batch unrolled ``ttt_length`` steps."""
+        problem = None
+        if len(self.widths) != ttt_length:
+            problem = f"{len(self.widths)} widths for {ttt_length} unroll steps"
+        elif len(self.starts) != batch:
+            problem = f"{len(self.starts)} starts for {batch} samples"
+        elif self.widths[0] != length:
+            problem = f"step 0 must be whole: width {length}, not {self.widths[0]}"
+        elif any(not 0 < later <= earlier for earlier, later in zip(self.widths, self.widths[1:])):
+            problem = "widths must not grow from one step to the next, nor reach 0"
+        elif ttt_length > 1 and any(not 0 <= start <= length - self.widths[1] for start in self.starts):
+            problem = f"every start must leave step 1's {self.widths[1]} positions inside the sequence"
+        if problem:
+            raise ValueError(f"unroll windows (starts {list(self.starts)}, widths {list(self.widths)}) for "
+                             f"{batch} samples of {length}: {problem}")
 
 
 def right_padded(attention_mask: torch.Tensor) -> bool:
@@ -264,7 +282,7 @@ def ttt_key_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
 
 @torch.compiler.disable
 def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DraftKV, mask0: torch.Tensor | str | None,
-                      step0: bool, query_start: int = 0) -> torch.Tensor:
+                      step0: bool, query_start: int | Sequence[int] = 0) -> torch.Tensor:
     """Add this step's keys to ``kv`` (step 0: ``kv.k0``; later steps: ``kv.diag``) and attend over them
     (queries from position ``query_start`` on: see :func:`ttt_attention`).
 
@@ -291,9 +309,9 @@ class Eagle3Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
-                mask0: torch.Tensor | str | None, step0: bool, query_start: int = 0) -> torch.Tensor:
+                mask0: torch.Tensor | str | None, step0: bool, query_start: int | Sequence[int] = 0) -> torch.Tensor:
         """x [B, S, 2h] -> [B, S, h]. Step 0 appends its keys to ``kv.k0``; later steps to ``kv.diag``;
-        ``query_start``: x's first position (a later step's window)."""
+        ``query_start``: x's first position (per sample: a later step's window)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, S, d]
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, S, d]
@@ -316,7 +334,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
-                mask0: torch.Tensor | str | None, step0: bool, query_start: int = 0) -> torch.Tensor:
+                mask0: torch.Tensor | str | None, step0: bool, query_start: int | Sequence[int] = 0) -> torch.Tensor:
         """emb, hidden [B, S, h] -> the next hidden [B, S, h] (before the final norm)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2h]
         hidden = hidden + self.self_attn(x, cos, sin, kv, mask0, step0, query_start)
@@ -396,23 +414,23 @@ class Eagle3Draft(nn.Module):
         return [self.logits(hidden) for hidden in self.unroll(input_ids, aux_hidden, attention_mask, ttt_length)]
 
     def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor,
-               ttt_length: int, windows: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+               ttt_length: int, windows: UnrollWindows | None = None) -> list[torch.Tensor]:
         """The test-time-training unroll: ``h_1 .. h_K`` [B, S, h], before the final norm.
 
         input_ids [B, S]: *aligned* ids (token t+1 at position t); aux_hidden [B, S, 3H];
         attention_mask [B, S] (1 = real token). ``lm_head(norm(h_{k+1}))`` at position t predicts
         token t+2+k; the loss applies the head to the rows it supervises only (:mod:`.head_loss`).
 
-        ``windows`` (from :func:`~specforge_plugin_eagle3.loss.unroll_windows`): ``(lo, hi)`` per
-        step; step k > 0 computes positions ``lo .. hi-1`` only and returns ``[B, hi - lo, h]``.
-        A position's later steps depend only on its own earlier steps and on the step-0 keys
-        (all computed), so the window's rows are those of the whole unroll, and rows outside
-        it (a prompt before the first supervised position, the tail past the last) cost
-        nothing. Step 0 must be whole; the later steps' windows share their ``lo`` and nest (``hi``
-        never rises).
+        ``windows`` (:class:`UnrollWindows`, from :func:`~specforge_plugin_eagle3.loss.unroll_windows`):
+        step k >= 1 computes, in sample b, the ``widths[k]`` positions from ``starts[b]`` on and
+        returns ``[B, widths[k], h]``. A position's later steps depend only on its own earlier
+        steps and on the step-0 keys (all computed), so a window's rows are those of the whole
+        unroll, and rows outside it (a prompt before the first supervised position, the tail
+        past the last) cost nothing.
         """
-        s = input_ids.shape[1]
-        windows = check_windows(windows, ttt_length, s)
+        b, s = input_ids.shape
+        if windows is not None:
+            windows.check(b, s, ttt_length)
         mask0: torch.Tensor | str = CAUSAL  # CPU: the causal flash kernel; elsewhere a bias built once per batch
         if input_ids.device.type != "cpu" or not right_padded(attention_mask):
             causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
@@ -420,15 +438,21 @@ class Eagle3Draft(nn.Module):
         positions = torch.arange(s, device=input_ids.device)
         hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # h_0 [B, S, h]
         kv = DraftKV()
-        ids, out, start = input_ids, [], 0
-        for k, (lo, hi) in enumerate(windows):
-            hidden = hidden[:, lo - start:hi - start] if (lo, hi - lo) != (start, hidden.shape[1]) else hidden
-            cos, sin = self.rope(positions[lo:hi] + k)  # RoPE positions +k at step k
-            step_ids = ids[:, lo:hi] if (lo, hi) != (0, s) else ids
+        ids, out, rows = input_ids, [], positions
+        for k in range(ttt_length):
+            step_ids, query_start = ids, 0
+            if k and windows is not None:  # sample b's positions starts[b] .. starts[b] + width - 1
+                if k == 1:
+                    rows = torch.tensor(windows.starts, device=ids.device)[:, None] + positions[:windows.widths[1]]
+                    hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+                rows = rows[:, :windows.widths[k]]
+                hidden, step_ids, query_start = hidden[:, :rows.shape[1]], ids.gather(1, rows), windows.starts
+            cos, sin = self.rope(rows + k)  # RoPE positions +k at step k
+            if rows.dim() == 2:  # [B, W, d] -> [B, 1, W, d]: per sample, the same for every head
+                cos, sin = cos[:, None], sin[:, None]
             hidden = self.midlayer(self.embed(step_ids), hidden, cos, sin, kv, mask0, step0=k == 0,
-                                   query_start=lo)  # h_{k+1}
+                                   query_start=query_start)  # h_{k+1}
             out.append(hidden)
-            start = lo
             ids = shift_left(ids)  # step k+1 at position t consumes token t+2+k; hidden stays in place
         return out
 

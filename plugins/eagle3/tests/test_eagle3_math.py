@@ -1,6 +1,7 @@
 """The EAGLE3 math pinned on small hand-checked cases: mask, shifts, vocabulary, loss, tau_sim."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
 from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss, unroll_windows
 from specforge_core.nn import apply_rope
-from specforge_plugin_eagle3.model import (CAUSAL, additive_mask, repeat_kv, right_padded, shift_left, ttt_attention,
-                                          ttt_key_mask)
+from specforge_plugin_eagle3.model import (CAUSAL, UnrollWindows, additive_mask, repeat_kv, right_padded, shift_left,
+                                          ttt_attention, ttt_key_mask)
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 from specforge_plugin_eagle3.testing import V, tiny_batch, tiny_target
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
@@ -503,48 +504,63 @@ def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloa
         assert 0 < (got.float() - want32).abs().max() <= 2 ** -7 * scale
 
 # ---------------------------------------------------------------- unroll windows
-def test_unroll_windows_start_k_minus_1_before_the_first_supervised_position_and_end_at_the_last_one():
-    mask = torch.zeros(2, 20, dtype=torch.bool)
-    mask[0, 8:16] = True
-    mask[1, 10:18] = True
-    assert unroll_windows(mask, 3) == [(0, 20), (6, 17), (6, 16)]  # positions 8 - 2 on; step k up to 17 - k
-    early = torch.zeros(1, 20, dtype=torch.bool)
-    early[0, [1, 19]] = True
-    assert unroll_windows(early, 4) == [(0, 20), (0, 19), (0, 18), (0, 17)]
-    late = torch.zeros(1, 8, dtype=torch.bool)
-    late[0, 6] = True
-    assert unroll_windows(late, 7) == [(0, 8), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]
-    assert unroll_windows(late, 3) == [(0, 8), (4, 6), (4, 5)]
-    only = torch.zeros(1, 8, dtype=torch.bool)
-    only[0, 7] = True
-    assert unroll_windows(only, 3)[2] == (5, 6)
-    edge = torch.zeros(1, 8, dtype=torch.bool)
-    edge[0, 2] = True
-    assert unroll_windows(edge, 4) == [(0, 8), (0, 2), (0, 1), (0, 1)]  # never empty, even past the last
+def _supervised(length, *positions_per_sample):
+    mask = torch.zeros(len(positions_per_sample), length, dtype=torch.bool)
+    for b, positions in enumerate(positions_per_sample):
+        mask[b, list(positions)] = True
+    return mask
+
+
+@pytest.mark.parametrize(("mask", "steps", "starts", "widths"), [
+    # each sample from K-1 before its first supervised position; as wide as the widest need, less one a step
+    (_supervised(20, range(8, 16), range(10, 18)), 3, (6, 8), (20, 9, 8)),
+    (_supervised(20, [1, 19]), 4, (0,), (20, 19, 18, 17)),  # from position 0 at the earliest
+    (_supervised(8, [6]), 7, (0,), (8, 6, 5, 4, 3, 2, 1)),
+    (_supervised(8, [6]), 3, (4,), (8, 2, 1)),
+    (_supervised(8, [2]), 4, (0,), (8, 2, 1, 1)),  # never empty, even past the last supervised position
+    (_supervised(20, range(2, 18), [18]), 3, (0, 3), (20, 17, 16)),  # 16 would run past the end: 3 instead
+    (_supervised(10, range(5, 8), []), 2, (4, 4), (10, 3)),  # a sample without supervision takes no width
+    (_supervised(20, range(8, 16), range(9, 13)), 3, (6, 6), (20, 9, 8)),  # one start for all costs nothing here
+])
+def test_unroll_windows_start_k_minus_1_before_each_samples_first_supervised_position(mask, steps, starts, widths):
+    assert unroll_windows(mask, steps) == UnrollWindows(starts, widths)
+
+
+def test_unroll_windows_are_none_without_a_supervised_position():
     assert unroll_windows(torch.zeros(2, 5, dtype=torch.bool), 3) is None
 
 
 @pytest.mark.parametrize("right_padded_rows", [True, False])  # the CPU flash path; the additive-mask path
-def test_a_windowed_unroll_is_the_whole_unroll_on_its_rows_with_the_same_gradients(right_padded_rows):
+@pytest.mark.parametrize("starts", [(9, 3), (5, 5)])  # one call per sample; one call for the batch
+def test_a_windowed_unroll_is_the_whole_unroll_on_its_rows_with_the_same_gradients(right_padded_rows, starts):
     info, frozen, strategy, model = tiny_draft(ttt_length=4)
     _samples, batch = tiny_batch(strategy, info, lengths=(24, 19), seed=3)
     ids, aux, attention_mask = batch["input_ids"], batch["aux_hidden"], batch["attention_mask"].clone()
     if not right_padded_rows:
         attention_mask[0, 2] = 0  # a hole: not right-padded, so the unroll masks with the bias built once
-    windows = [(0, 24), (9, 21), (9, 20), (9, 16)]
+    windows = UnrollWindows(starts, (24, 12, 11, 7))
     weights = [torch.randn(2, 24, info.hidden_size, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def rows_of(hidden, k, start, whole):
+        width = 24 if k == 0 else windows.widths[k]
+        first = 0 if k == 0 else start
+        return (hidden[:, first:first + width] if whole else hidden), first, width
 
     def scored(step_hidden, whole):  # a weighted sum of the windows' rows
         total = 0
-        for hidden, weight, (lo, hi) in zip(step_hidden, weights, windows):
-            total = total + ((hidden[:, lo:hi] if whole else hidden) * weight[:, lo:hi]).sum()
+        for k, (hidden, weight) in enumerate(zip(step_hidden, weights)):
+            for b, start in enumerate(starts):
+                part, first, width = rows_of(hidden[b:b + 1], k, start, whole)
+                total = total + (part * weight[b:b + 1, first:first + width]).sum()
         return total
 
     whole = model.unroll(ids, aux, attention_mask, 4)
     cut = model.unroll(ids, aux, attention_mask, 4, windows)
     assert [tuple(h.shape[:2]) for h in cut] == [(2, 24), (2, 12), (2, 11), (2, 7)]
-    for hidden, part, (lo, hi) in zip(whole, cut, windows):
-        torch.testing.assert_close(part, hidden[:, lo:hi], rtol=1e-5, atol=1e-5)
+    for k, (hidden, part) in enumerate(zip(whole, cut)):
+        for b, start in enumerate(starts):
+            torch.testing.assert_close(part[b:b + 1], rows_of(hidden[b:b + 1], k, start, True)[0],
+                                       rtol=1e-5, atol=1e-5)
     params = [*model.fc.parameters(), *model.midlayer.parameters()]  # the unroll's (the head is the loss's)
     want = torch.autograd.grad(scored(whole, True), params)
     got = torch.autograd.grad(scored(model.unroll(ids, aux, attention_mask, 4, windows), False), params)
@@ -552,25 +568,28 @@ def test_a_windowed_unroll_is_the_whole_unroll_on_its_rows_with_the_same_gradien
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("windows", "why"), [
-    ([(0, 10), (2, 9)], "2 windows for 3 unroll steps"),
-    ([(1, 10), (2, 9), (2, 8)], r"step 0 must be whole, \(0, 10\), not \(1, 10\)"),
-    ([(0, 10), (2, 9), (1, 8)], r"step 2's window \(1, 8\) starts elsewhere than step 1's \(2, 9\)"),
-    ([(0, 10), (2, 9), (3, 8)], r"step 2's window \(3, 8\) starts elsewhere than step 1's \(2, 9\)"),
-    ([(0, 10), (2, 9), (2, 2)], r"step 2's window \(2, 2\) is not a non-empty part of step 1's \(2, 9\)"),
-    ([(0, 10), (2, 9), (2, 10)], r"step 2's window \(2, 10\) is not a non-empty part"),
-    ([(0, 10), (0, 11), (0, 9)], r"step 1's window \(0, 11\) is not a non-empty part of step 0's \(0, 10\)"),
+@pytest.mark.parametrize(("starts", "widths", "why"), [
+    ((2, 2), (10, 9), "2 widths for 3 unroll steps"),
+    ((2,), (10, 9, 8), "1 starts for 2 samples"),
+    ((2, 2), (9, 9, 8), "step 0 must be whole: width 10, not 9"),
+    ((2, 2), (10, 7, 8), "widths must not grow from one step to the next, nor reach 0"),
+    ((2, 2), (10, 7, 0), "widths must not grow from one step to the next, nor reach 0"),
+    ((2, 4), (10, 7, 6), "every start must leave step 1's 7 positions inside the sequence"),
+    ((-1, 0), (10, 7, 6), "every start must leave step 1's 7 positions inside the sequence"),
 ])
-def test_windows_that_do_not_nest_inside_the_sequence_are_refused(windows, why):
+def test_windows_that_do_not_fit_the_batch_are_refused(starts, widths, why):
     info, frozen, strategy, model = tiny_draft(ttt_length=3)
     _samples, batch = tiny_batch(strategy, info, lengths=(10, 10))
-    with pytest.raises(ValueError, match=r"unroll windows .* for a sequence of 10: " + why):
-        model.unroll(batch["input_ids"], batch["aux_hidden"], batch["attention_mask"], 3, windows)
+    with pytest.raises(ValueError, match=re.escape(f"unroll windows (starts {list(starts)}, widths {list(widths)}) "
+                                                   f"for 2 samples of 10: {why}")):
+        model.unroll(batch["input_ids"], batch["aux_hidden"], batch["attention_mask"], 3,
+                     UnrollWindows(starts, widths))
 
 
 def test_training_computes_only_the_windows_and_its_loss_and_gradients_are_the_whole_unrolls():
-    """Long prompts (12 and 9 of 24 and 20 tokens): the training step unrolls steps 1.. over positions 5..20
-    only, and its loss, metrics and gradients equal those of the eval path, which unrolls every position."""
+    """Long prompts (12 and 9 of 24 and 20 tokens): the training step unrolls steps 1.. over 13, 12 and 11
+    positions of each sample only (from positions 8 and 5), and its loss, metrics and gradients equal those
+    of the eval path, which unrolls every position."""
     info, frozen = tiny_target()
     strategy = Eagle3Strategy(Eagle3Options(ttt_length=4, draft_vocab_size=V))  # every target token supervised
     samples, _ = tiny_batch(strategy, info, lengths=(24, 20), seed=4)
@@ -587,7 +606,8 @@ def test_training_computes_only_the_windows_and_its_loss_and_gradients_are_the_w
     train_grads = torch.autograd.grad(train.loss, params)
     full = strategy.forward_loss(model, batch, StepContext(training=False))
     full_grads = torch.autograd.grad(full.loss, params)
-    assert seen[0][1:] == [(5, 21), (5, 20), (5, 19)] and seen[1] is None  # first 8, last 21 (decode positions)
+    # decode positions: sample a supervised at 11..21, b at 8..17
+    assert seen[0] == UnrollWindows((8, 5), (24, 13, 12, 11)) and seen[1] is None
     assert train.loss.item() == pytest.approx(full.loss.item(), rel=1e-6)
     for k in range(4):
         assert train.ratio_metrics[f"acc_{k}"] == full.ratio_metrics[f"acc_{k}"]
