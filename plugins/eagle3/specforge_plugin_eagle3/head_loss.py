@@ -11,9 +11,10 @@ rows p_(j_r) and the row weights w_r)::
 Each chunk's logits stay in the CPU's caches while the logsumexp, the dot product, the
 argmax and the gradient run over them (written straight into the rows of ``dz``), and rows
 the step does not supervise are never computed. A chunk is at least :data:`MIN_CHUNK_ROWS`
-rows, however wide the vocabulary: each chunk's GEMM passes over the whole head. The input gradients are computed in forward
-and only scaled in backward, so what a step keeps for backward is ``dx [R, h]`` and
-``dW [Vd, h]``, not its logits. On CUDA the same ops run on cuBLAS and elementwise kernels;
+rows, however wide the vocabulary: each chunk's GEMM passes over the whole head. The input
+gradients are computed in forward and only scaled in backward, so what a step keeps for
+backward is ``dx [R, h]`` and ``dW [Vd, h]``, not its logits. On CUDA the same ops run on
+cuBLAS and elementwise kernels;
 bf16/fp16 on a CPU without bf16 GEMM instructions runs its GEMMs in float32
 (:func:`specforge_core.nn.upcasts`).
 """

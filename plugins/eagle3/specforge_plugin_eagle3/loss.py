@@ -115,8 +115,9 @@ def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> UnrollWindow
     tail after ``last_b - k`` are never computed. Every sample takes the same number of positions
     (the widest need; a window that would run past the end starts earlier), so the steps stay
     batched, and where one start for all would need no more positions, all start there (the
-    attention is then one kernel call instead of one per sample). Step 0 stays whole: every position's step-0 key is attended to. ``None`` (every step
-    whole) without supervised positions. One host sync.
+    attention is then one kernel call instead of one per sample). Step 0 stays whole: every
+    position's step-0 key is attended to. ``None`` (every step whole) without supervised
+    positions. One host sync.
     """
     b, s = position_mask.shape
     positions = torch.arange(s, device=position_mask.device)
@@ -169,7 +170,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
         live = depth >= k
         rows = torch.where(live, teacher_rows - k, teacher_rows)
         width = hidden.shape[1]
-        if width != s:  # windows: row b*S + t is row b*width + (t - starts[b]) of this step's hidden
+        if starts is not None and k:  # windows: row b*S + t is row b*width + (t - starts[b]) of this step's hidden
             sample = torch.div(rows, s, rounding_mode="floor")
             rows = sample * width + ((rows % s) - starts[sample]).clamp(0, width - 1)
         weight = live.to(torch.float32)
