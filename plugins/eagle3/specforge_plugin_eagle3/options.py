@@ -68,6 +68,11 @@ class Eagle3Options:
                   "token but the last, the first round after the prompt included). reference: ALGORITHMS.md's and "
                   "SpecForge's unshifted loss mask, which skips the first round of every reply and trains two "
                   "positions past its end.", choices=("decode", "reference"))
+    trim_unroll: bool = option(
+        True, "Training runs unroll steps 1..K-1 only over the positions the loss reads: in each sample from "
+              "K-1 before its first supervised position to its last (a prompt and trailing padding cost step 0 "
+              "only). Loss and gradients are the same either way; false computes every position, as the "
+              "algorithm is written (bench/eagle3_windows.py measures the difference).")
     compile: bool = option(
         False, "torch.compile the draft's decoder layer (dynamic shapes; the attention over the growing "
                "unroll cache stays eager). The first steps pay for compiling (on CPU about a minute, and it "

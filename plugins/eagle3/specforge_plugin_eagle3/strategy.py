@@ -131,7 +131,8 @@ class Eagle3Strategy:
         p_t, target_ids, position_mask = teacher(model, last_hidden, loss_mask)
         training = getattr(ctx, "training", True)
         # training computes only the positions the loss reads; eval's decode replay reads every position
-        windows = unroll_windows(position_mask, self.options.ttt_length) if training else None
+        trim = training and self.options.trim_unroll
+        windows = unroll_windows(position_mask, self.options.ttt_length) if trim else None
         step_hidden = model.unroll(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length, windows)
         loss, ratios = ttt_loss(step_hidden, lambda rows, targets: model.lm_head(model.norm(rows), targets),
                                 p_t, target_ids, position_mask, loss_mask, model.d2t, self.options.loss_decay,

@@ -606,6 +606,9 @@ def test_training_computes_only_the_windows_and_its_loss_and_gradients_are_the_w
     train_grads = torch.autograd.grad(train.loss, params)
     full = strategy.forward_loss(model, batch, StepContext(training=False))
     full_grads = torch.autograd.grad(full.loss, params)
+    untrimmed = Eagle3Strategy(Eagle3Options(ttt_length=4, draft_vocab_size=V, trim_unroll=False))
+    off = untrimmed.forward_loss(model, batch, StepContext(training=True))  # trim_unroll off: every position
+    assert len(seen) == 3 and seen[2] is None and off.loss.item() == pytest.approx(full.loss.item(), rel=1e-6)
     # decode positions: sample a supervised at 11..21, b at 8..17
     assert seen[0] == UnrollWindows((8, 5), (24, 13, 12, 11)) and seen[1] is None
     assert train.loss.item() == pytest.approx(full.loss.item(), rel=1e-6)
