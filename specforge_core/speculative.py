@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .errors import SpecforgeError
+from .nn import argmax_last
 from .protocols import CapturePlan
 
 TAU_REAL_CONVENTION = ("tokens per target verification forward, bonus token included; the prompt's prefill "
@@ -93,7 +94,7 @@ def greedy_decode(engine: Any, prompt_ids: list[int], plan: CapturePlan, *, max_
     logits = session.prefill["logits"][-1]
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
-        token = int(logits.argmax())
+        token = int(argmax_last(logits))
         tokens.append(token)
         if token in stop:
             break

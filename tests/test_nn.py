@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge_core.hfconfig import config_value, rope_theta
-from specforge_core.nn import (RMSNorm, SwiGLU, apply_rope, gated_down_proj, in_float32, linear, rms_norm, rope_cos_sin,
-                               silu_mul)
+from specforge_core.nn import (RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear, rms_norm,
+                               rope_cos_sin, silu_mul)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -269,3 +269,13 @@ def test_swiglu_runs_its_down_projection_through_gated_down_proj():
     written_grads = torch.autograd.grad(written.square().sum(), [x, *mlp.parameters()])
     for a, b in zip(grads, written_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_last_is_argmax_over_the_last_dimension_the_first_of_equal_maxima(dtype):
+    ties = torch.tensor([[0.5, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0], [-1.0, -2.0, -1.0, -3.0]], dtype=dtype)
+    assert argmax_last(ties).tolist() == [1, 0, 0]
+    assert argmax_last(ties[0]).item() == 1 and argmax_last(ties[0]).dim() == 0  # one row: a scalar, as argmax()
+    logits = (torch.randn(8, 49152, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    assert torch.equal(argmax_last(logits), logits.argmax(-1))
+    assert torch.equal(argmax_last(logits.view(2, 4, -1)), logits.view(2, 4, -1).argmax(-1))

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from specforge_core.nn import argmax_last
 from specforge_core.protocols import SpeculationResult
 from specforge_core.speculative import accept_drafts, prompt_outputs, stop_token_ids
 
@@ -46,7 +47,7 @@ def draft_hidden(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, po
 
 def draft_block(model: DFlashBackbone, ctx: torch.Tensor, anchor_token: int, position: int) -> torch.Tensor:
     """Argmax drafts for block positions 1..bs-1 after ``anchor_token`` at ``position`` (see :func:`draft_hidden`)."""
-    return model.logits(draft_hidden(model, ctx, anchor_token, position)[1:]).argmax(-1)
+    return argmax_last(model.logits(draft_hidden(model, ctx, anchor_token, position)[1:]))
 
 
 @torch.no_grad()
@@ -67,13 +68,13 @@ def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, 
         return SpeculationResult(tokens=[], target_forwards=0, accept_lengths=[])
     out = prompt_outputs(session, prompt)
     ctx = model.context(out[feature].to(device)[None])  # [1, P, H]
-    tokens = [int(out["logits"][-1].argmax())]
+    tokens = [int(argmax_last(out["logits"][-1]))]
     accept_lengths = [1]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         position = session.length  # where the last accepted token goes; the cache holds everything before it
         drafts = draft(model, ctx, tokens[-1], position).cpu()  # [bs-1]
         out = session.extend(torch.cat([torch.tensor([tokens[-1]]), drafts]))
-        target_next = out["logits"].argmax(-1).cpu()  # the target's token after each verified position
+        target_next = argmax_last(out["logits"]).cpu()  # the target's token after each verified position
         accepted, new = accept_drafts(drafts.tolist(), target_next.tolist(), stop=stop,
                                       budget=max_new_tokens - len(tokens))
         session.truncate(position + accepted + 1)  # keep the anchor and the accepted drafts

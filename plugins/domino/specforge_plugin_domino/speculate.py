@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from specforge_core.nn import argmax_last
 from specforge_plugin_dflash.speculate import draft_hidden
 
 from .model import DominoBackbone
@@ -40,6 +41,6 @@ def draft_domino_block(model: DominoBackbone, ctx: torch.Tensor, anchor_token: i
         logits = base[k]
         if k >= head.suffix_start:
             logits = logits + model.correction(hidden[k], state[0, 0]).to(logits.dtype)
-        token = logits.argmax(-1).view(1, 1)
+        token = argmax_last(logits).view(1, 1)
         drafts.append(token)
     return torch.cat(drafts).flatten()

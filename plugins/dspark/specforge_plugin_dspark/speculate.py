@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from specforge_core.nn import argmax_last
 from specforge_plugin_dflash.speculate import draft_hidden
 
 from .model import DSparkBackbone
@@ -41,6 +42,6 @@ def draft_dspark_block(model: DSparkBackbone, ctx: torch.Tensor, anchor_token: i
         embedding, bias = model.markov_head(previous)
         if threshold > 0 and float(torch.sigmoid(model.confidence(hidden[k], previous, embedding))) < threshold:
             break
-        previous = (base[k] + bias).argmax(-1)
+        previous = argmax_last(base[k] + bias)
         drafts.append(previous)
     return torch.stack(drafts) if drafts else torch.empty(0, dtype=torch.long, device=hidden.device)

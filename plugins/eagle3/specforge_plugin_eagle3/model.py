@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, cpu_causal_attention,
+from specforge_core.nn import (Linear, RMSNorm, SwiGLU, apply_rope, argmax_last, cpu_causal_attention,
                                cpu_causal_attention_backward, in_float32, rope_cos_sin)
 
 from .head_loss import DraftHead
@@ -479,7 +479,7 @@ class Eagle3Draft(nn.Module):
         last = start + m - 1
         tokens: list[int] = []
         for k in range(1, depth + 1):
-            token = self.to_target_ids(self.logits(hidden).argmax(-1))  # [1, 1]
+            token = self.to_target_ids(argmax_last(self.logits(hidden)))  # [1, 1]
             tokens.append(int(token))
             if k < depth:
                 cos, sin = self.rope(torch.tensor([last + k], device=device))

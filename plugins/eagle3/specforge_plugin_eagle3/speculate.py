@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
+from specforge_core.nn import argmax_last
 from specforge_core.protocols import SpeculationResult, VerifySession
 from specforge_core.speculative import accept_drafts, prompt_outputs, stop_token_ids
 
@@ -36,7 +37,7 @@ def speculate(model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, ma
         return SpeculationResult(tokens=[], target_forwards=0, accept_lengths=[])
     eos = stop_token_ids(eos_token_id)
     out = prompt_outputs(session, torch.tensor(prompt, dtype=torch.long))
-    bonus = int(out["logits"][-1].argmax())
+    bonus = int(argmax_last(out["logits"][-1]))
     tokens, accept_lengths = [bonus], [1]
     kv = DraftKV()
     # The draft's context rows: features of each accepted token and the token after it.
@@ -47,7 +48,7 @@ def speculate(model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, ma
         drafts = model.draft(kv, ctx_aux, ctx_next, k)
         base = session.length
         out = session.extend(torch.tensor([bonus] + drafts, dtype=torch.long))
-        greedy = out["logits"].argmax(-1).tolist()  # greedy[i]: the target's token after position base + i
+        greedy = argmax_last(out["logits"]).tolist()  # greedy[i]: the target's token after position base + i
         accepted, new = accept_drafts(drafts, greedy, stop=eos)
         if accepted < k:
             session.truncate(base + 1 + accepted)  # keep the bonus and the accepted drafts
