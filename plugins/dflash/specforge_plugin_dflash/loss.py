@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specforge_core.nn import upcasts
+from specforge_core.nn import argmax_last, upcasts
 
 if TYPE_CHECKING:
     from .dpace import LossWeighting
@@ -80,7 +80,7 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
         chunk_weights = weights[..., start:end, :]
         if weighting is not None and weighting.dpace:
             chunk_weights = weighting.reweight(ce, chunk_weights)
-        return (ce * chunk_weights).flatten(-3).sum(-1), logits.argmax(-1)
+        return (ce * chunk_weights).flatten(-3).sum(-1), argmax_last(logits)
 
     zero = weights.new_zeros(weights.shape[:-3])
     total, predictions = reduce_chunks(chunk, labels.shape[1], chunk_blocks)

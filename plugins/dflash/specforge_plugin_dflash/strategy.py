@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from specforge_core.dtypes import torch_dtype
-from specforge_core.nn import compile_layers
+from specforge_core.nn import argmax_last, compile_layers
 from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
 from specforge_core.data.collate import pad_features
 from specforge_core.protocols import BuildContext, CapturePlan, DataStats, SpeculationResult, TargetInfo
@@ -191,7 +191,7 @@ class DFlashStrategy:
         """The drafted token at every block position, ``[B, N, bs]`` (a variant with another head overrides it)."""
         hidden = self.block_hidden(model, batch, blocks)
         chunk = self.options.logit_chunk_size
-        return torch.cat([model.logits(hidden[:, start:start + chunk]).argmax(-1)
+        return torch.cat([argmax_last(model.logits(hidden[:, start:start + chunk]))
                           for start in range(0, hidden.shape[1], chunk)], dim=1)
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from specforge_core.contracts import StepContext, StepOutput, TrainBatch
+from specforge_core.nn import argmax_last
 from specforge_core.protocols import TargetInfo
 from specforge_plugin_dflash.loss import block_metrics, no_anchor_samples
 from specforge_plugin_dflash.strategy import DFlashStrategy
@@ -103,5 +104,5 @@ class DominoStrategy(DFlashStrategy):
         out = []
         for start in range(0, hidden.shape[1], chunk):
             part = hidden[:, start:start + chunk]
-            out.append(model.final_logits(model.logits(part), part, states[:, start:start + chunk]).argmax(-1))
+            out.append(argmax_last(model.final_logits(model.logits(part), part, states[:, start:start + chunk])))
         return torch.cat(out, dim=1)

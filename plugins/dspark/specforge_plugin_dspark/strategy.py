@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specforge_core.contracts import FeatureSpec, StepContext, StepOutput, TrainBatch
+from specforge_core.nn import argmax_last
 from specforge_core.protocols import CapturePlan, TargetInfo
 from specforge_plugin_dflash.loss import block_metrics, no_anchor_samples, reduce_chunks
 from specforge_plugin_dflash.speculate import DraftFn
@@ -140,8 +141,8 @@ class DSparkStrategy(DFlashStrategy):
         all an accepted prefix depends on."""
         hidden = self.block_hidden(model, batch, blocks)
         chunk = self.options.logit_chunk_size
-        return torch.cat([(model.logits(hidden[:, start:start + chunk])
-                           + model.markov_head(blocks.tokens[:, start:start + chunk])[1]).argmax(-1)
+        return torch.cat([argmax_last(model.logits(hidden[:, start:start + chunk])
+                                      + model.markov_head(blocks.tokens[:, start:start + chunk])[1])
                           for start in range(0, hidden.shape[1], chunk)], dim=1)
 
     # ------------------------------------------------------------------ serving

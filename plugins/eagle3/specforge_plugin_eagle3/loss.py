@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from specforge_core.nn import linear
+from specforge_core.nn import argmax_last, linear
 
 from .head_loss import SoftTargets
 from .model import Eagle3Draft, UnrollWindows, shift_left
@@ -73,7 +73,7 @@ def simulated_acceptance(step_logits: list[torch.Tensor], target_ids: torch.Tens
         n = s - k - 2  # positions whose draft token t+2+k exists
         if n <= 0:
             break
-        draft = logits[:, :n].argmax(-1)
+        draft = argmax_last(logits[:, :n])
         correct[:, :n, k] = (draft + d2t[draft] == target_ids[:, k:k + n]) & inside[:, k + 2:k + 2 + n]
     accepted = torch.zeros(b, s, dtype=torch.long, device=target_ids.device)
     accepted[:, 1:] = leading_true(correct)[:, :-1]  # the bonus at j drafts from aligned position j-1
