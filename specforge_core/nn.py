@@ -320,33 +320,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-class _SiluMul(torch.autograd.Function):
-    """:func:`silu_mul`, keeping its two inputs for backward and recomputing ``silu(gate)`` there
-    (written out, autograd keeps ``silu(gate)`` too: a third ``[.., I]`` tensor)."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
-        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
-        return grad_gate, grad_up
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, the gated MLP's product, with the written-out form's rounding."""
-    return _SiluMul.apply(gate, up)
-
-
 class _GatedDownProj(torch.autograd.Function):
     """:func:`gated_down_proj`, keeping ``gate`` and ``up`` (and the weight) for backward and recomputing
-    ``silu(gate) * up`` there. Written out (``linear(silu_mul(gate, up), weight)``), the product is
-    kept as the down projection's input: a third ``[.., I]`` tensor, the widest a decoder layer keeps
-    but for the attention's. Backward is the written-out form's operations in the same order."""
+    ``silu(gate) * up`` there. Written out (``linear(F.silu(gate) * up, weight)``), autograd keeps
+    ``silu(gate)`` and the product (the down projection's input) too: two more ``[.., I]`` tensors,
+    the widest a decoder layer keeps but for the attention's. Backward is the written-out form's
+    operations in the same order."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.nn import (RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear, rms_norm,
-                               rope_cos_sin, silu_mul)
+                               rope_cos_sin)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -169,13 +169,11 @@ def _saved_bytes(fn, *inputs):
     return sum(storages.values())
 
 
-def test_rms_norm_and_silu_mul_have_the_written_out_gradients_in_float64():
+def test_rms_norm_has_the_written_out_gradients_in_float64():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     weight = torch.randn(8, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, 1e-3), (x, weight))
-    gate, up = (torch.randn(4, 6, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
-    assert torch.autograd.gradcheck(silu_mul, (gate, up))
     grad = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen)
     ours = torch.autograd.grad(rms_norm(x, weight, 1e-3), (x, weight), grad)
     written = torch.autograd.grad(_written_out_rms_norm(x, weight, 1e-3), (x, weight), grad)
@@ -184,7 +182,7 @@ def test_rms_norm_and_silu_mul_have_the_written_out_gradients_in_float64():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_silu_mul_round_like_the_written_out_forms(dtype):
+def test_rms_norm_rounds_like_the_written_out_form(dtype):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(64, 32, generator=gen) * 3).to(dtype).requires_grad_()
     weight = (1 + torch.randn(32, generator=gen) / 4).to(dtype).requires_grad_()
@@ -196,17 +194,10 @@ def test_rms_norm_and_silu_mul_round_like_the_written_out_forms(dtype):
     for a, b in zip(ours, written):
         assert a.dtype == b.dtype == dtype
         assert float((a.float() - b.float()).abs().max()) <= tolerance * float(b.float().abs().max())
-    gate, up = ((torch.randn(64, 48, generator=gen) * 2).to(dtype).requires_grad_() for _ in range(2))
-    grad = torch.randn(64, 48, generator=gen).to(dtype)
-    assert torch.equal(silu_mul(gate, up), F.silu(gate) * up)
-    ours = torch.autograd.grad(silu_mul(gate, up), (gate, up), grad)
-    written = torch.autograd.grad(F.silu(gate) * up, (gate, up), grad)
-    for a, b in zip(ours, written):  # the same operations in the same order: bit for bit
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_silu_mul_keep_only_their_inputs_for_backward(dtype):
+def test_rms_norm_keeps_only_its_input_for_backward(dtype):
     rows, width = 256, 64
     x = torch.randn(rows, width).to(dtype).requires_grad_()
     weight = torch.ones(width, dtype=dtype, requires_grad=True)
@@ -215,9 +206,6 @@ def test_rms_norm_and_silu_mul_keep_only_their_inputs_for_backward(dtype):
     assert _saved_bytes(rms_norm, x, weight, 1e-6) == rows * width * element + width * element + rows * 4
     # written out: also the normalised rows (and in bf16 a float32 copy of the input)
     assert _saved_bytes(_written_out_rms_norm, x, weight, 1e-6) >= 2 * rows * width * element + rows * 4
-    gate, up = (torch.randn(rows, width).to(dtype).requires_grad_() for _ in range(2))
-    assert _saved_bytes(silu_mul, gate, up) == 2 * rows * width * element
-    assert _saved_bytes(lambda g, u: F.silu(g) * u, gate, up) == 3 * rows * width * element
 
 
 def test_gated_down_proj_has_the_written_out_gradients_in_float64():
@@ -238,13 +226,13 @@ def test_gated_down_proj_is_the_written_out_form_bit_for_bit(half_gemm, route, d
     gate, up = ((torch.randn(2, 64, 48, generator=gen) * 2).to(dtype).requires_grad_() for _ in range(2))
     weight = (torch.randn(32, 48, generator=gen) / 7).to(dtype).requires_grad_()
     grad = torch.randn(2, 64, 32, generator=gen).to(dtype)
-    ours, written = gated_down_proj(gate, up, weight), linear(silu_mul(gate, up), weight)
+    ours, written = gated_down_proj(gate, up, weight), linear(F.silu(gate) * up, weight)
     upcast = dtype == torch.bfloat16 and route == "fp32"
     assert torch.equal(ours, written) and ours.dtype == dtype
     for a, b in zip(torch.autograd.grad(ours, (gate, up, weight), grad),
                     torch.autograd.grad(written, (gate, up, weight), grad)):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b)
-    assert upcast == ("UpcastLinear" in type(linear(silu_mul(gate, up), weight).grad_fn).__name__)
+    assert upcast == ("UpcastLinear" in type(written.grad_fn).__name__)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -254,9 +242,9 @@ def test_gated_down_proj_keeps_only_its_inputs_for_backward(dtype):
     weight = torch.randn(out, width).to(dtype).requires_grad_()
     element = gate.element_size()
     assert _saved_bytes(gated_down_proj, gate, up, weight) == (2 * rows + out) * width * element
-    # written out: the product silu(gate) * up as well, the down projection's input
-    assert _saved_bytes(lambda g, u, w: linear(silu_mul(g, u), w), gate, up, weight) == \
-        (3 * rows + out) * width * element
+    # written out: silu(gate) for the product's backward and the product, the down projection's input
+    assert _saved_bytes(lambda g, u, w: linear(F.silu(g) * u, w), gate, up, weight) == \
+        (4 * rows + out) * width * element
 
 
 def test_swiglu_runs_its_down_projection_through_gated_down_proj():

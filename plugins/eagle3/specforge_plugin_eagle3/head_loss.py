@@ -1,7 +1,7 @@
 """The draft vocabulary head and its soft cross-entropy, fused: no ``[B, S, Vd]`` tensor per unroll step.
 
 For the rows r a step supervises (its hidden rows x_r, already final-normed, the teacher
-rows p_(j_r) and the row weights w_r)::
+rows p_r and the row weights w_r)::
 
     z_r   = x_r W^T                                   [R, Vd] logits, computed a chunk of rows at a time
     S     = sum_r w_r (logsumexp(z_r) - p_r . z_r)    = sum_r w_r CE(p_r, z_r), since p_r sums to 1
@@ -37,12 +37,11 @@ MIN_CHUNK_ROWS = 128
 
 @attrs.frozen
 class SoftTargets:
-    """What a step's loss reads: ``p [N, Vd]`` float teacher rows, ``rows [R]`` the teacher row of each
-    supervised hidden row (``None``: row r's is ``p[r]``, read without a copy), ``weight [R]`` float row
-    weights (0: computed but not counted)."""
+    """What a step's loss reads: ``p [R, Vd]`` float teacher rows, row r the target distribution of hidden
+    row r (read in place, a chunk at a time), and ``weight [R]`` float row weights (0: computed but not
+    counted)."""
 
     p: torch.Tensor
-    rows: torch.Tensor | None
     weight: torch.Tensor
 
 
@@ -56,7 +55,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
     given as tensors; the argmax (draft ids, ``[R]``) carries no gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, teacher_rows: torch.Tensor | None,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor,
                 row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, vocab = x.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -78,8 +77,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                 torch.mm(x_g[start:end], w_g.t(), out=z)
             else:
                 z.copy_(x_g[start:end] @ w_g.t())
-            p_c = p[start:end] if teacher_rows is None else p.index_select(0, teacher_rows[start:end])
-            p_c, w_c = p_c.to(acc), row_weight[start:end].to(acc)
+            p_c, w_c = p[start:end].to(acc), row_weight[start:end].to(acc)
             dot = torch.linalg.vecdot(p_c, z)  # p . z, before z is overwritten
             peak, ids = z.max(dim=-1)  # one pass for the argmax and the logsumexp's shift
             draft[start:end] = ids
@@ -103,13 +101,13 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         scale = grad_total
         return (None if grad_x is None else grad_x * scale.to(grad_x.dtype),
-                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None, None)
+                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None)
 
 
 def head_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
                             targets: SoftTargets) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_r w_r CE(p_(rows_r), x_r W^T), argmax_r x_r W^T)`` (see :class:`HeadSoftCrossEntropy`)."""
-    return HeadSoftCrossEntropy.apply(x, weight, targets.p, targets.rows, targets.weight)
+    """``(sum_r w_r CE(p_r, x_r W^T), argmax_r x_r W^T)`` (see :class:`HeadSoftCrossEntropy`)."""
+    return HeadSoftCrossEntropy.apply(x, weight, targets.p, targets.weight)
 
 
 class DraftHead(Linear):

@@ -123,12 +123,13 @@ def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> UnrollWindow
     positions = torch.arange(s, device=position_mask.device)
     first = torch.where(position_mask, positions, s).amin(1)
     last = torch.where(position_mask, positions, -1).amax(1)
-    spans = [(f, l) for f, l in zip(first.tolist(), last.tolist()) if l >= 0]
+    first_last = torch.stack([first, last], 1).tolist()  # the one host sync
+    spans = [(max(0, f - (ttt_length - 1)), l) for f, l in first_last if l >= 0]  # (window start, last)
     if not spans:
         return None
-    starts = [max(0, f - (ttt_length - 1)) if l >= 0 else 0 for f, l in zip(first.tolist(), last.tolist())]
-    lows = [max(0, f - (ttt_length - 1)) for f, _ in spans]
-    widths = [s] + [max(1, max(l - k + 1 - lo for (_, l), lo in zip(spans, lows))) for k in range(1, ttt_length)]
+    starts = [max(0, f - (ttt_length - 1)) if l >= 0 else 0 for f, l in first_last]
+    lows = [lo for lo, _ in spans]
+    widths = [s] + [max(1, max(l - k + 1 - lo for lo, l in spans)) for k in range(1, ttt_length)]
     if ttt_length > 1:
         if max(l for _, l in spans) - min(lows) <= widths[1]:  # one start for all costs no width: one kernel call
             starts = [min(lows)] * b
@@ -175,7 +176,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
             rows = sample * width + ((rows % s) - starts[sample]).clamp(0, width - 1)
         weight = live.to(torch.float32)
         step_sum, draft_ids = score(hidden.reshape(b * width, -1).index_select(0, rows),
-                                    SoftTargets(p_rows, None, weight))
+                                    SoftTargets(p_rows, weight))
         total = total + decay ** k * step_sum
         with torch.no_grad():
             correct = ((draft_ids + d2t[draft_ids] == wanted) & live).sum()
