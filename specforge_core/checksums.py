@@ -78,25 +78,39 @@ CRC32C_IN_HARDWARE = bool(crc32c.hardware_based)
 
 def block_crcs(tensor: torch.Tensor, kind: ChecksumKind = CRC32) -> list[int]:
     """The crc of each ``CRC_BLOCK`` bytes of ``tensor`` (a CPU tensor, any dtype), in order."""
-    data = tensor.reshape(-1).view(_uint8()).numpy()
-    if data.nbytes <= CRC_BLOCK:
-        return [kind.function(data)]
-    blocks = [data[start:start + CRC_BLOCK] for start in range(0, data.nbytes, CRC_BLOCK)]
-    return list(_threads().map(kind.function, blocks))
+    return _block_crcs(_bytes_of(tensor), kind)
 
 
 def checksum(tensor: torch.Tensor, kind: ChecksumKind = DEFAULT_CHECKSUM) -> int:
     """The plain checksum of ``tensor``'s bytes (its blocks computed in parallel if ``kind.threaded``)."""
+    return checksum_bytes(_bytes_of(tensor), kind)
+
+
+def checksum_bytes(data: memoryview, kind: ChecksumKind = DEFAULT_CHECKSUM) -> int:
+    """:func:`checksum` of a contiguous byte buffer (a ``memoryview`` slice of a mapped file, say): the same
+    value as for a tensor of those bytes, without making the tensor."""
     if not kind.threaded:
-        return kind.function(tensor.reshape(-1).view(_uint8()).numpy())
-    nbytes = tensor.numel() * tensor.element_size()
+        return kind.function(data)
+    nbytes = len(data)
     crc = 0
-    for index, block_crc in enumerate(block_crcs(tensor, kind)):
+    for index, block_crc in enumerate(_block_crcs(data, kind)):
         if index:
             crc = _combine(kind.polynomial, crc, block_crc, min(CRC_BLOCK, nbytes - index * CRC_BLOCK))
         else:
             crc = block_crc
     return crc
+
+
+def _bytes_of(tensor: torch.Tensor):
+    """``tensor``'s bytes as a flat uint8 array (a view when it is contiguous)."""
+    return tensor.reshape(-1).view(_uint8()).numpy()
+
+
+def _block_crcs(data, kind: ChecksumKind) -> list[int]:
+    if len(data) <= CRC_BLOCK:
+        return [kind.function(data)]
+    blocks = [data[start:start + CRC_BLOCK] for start in range(0, len(data), CRC_BLOCK)]
+    return list(_threads().map(kind.function, blocks))
 
 
 def crc32(tensor: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from specforge_core.checksums import (CHECKSUM_KINDS, CRC32, CRC32C, CRC_BLOCK, DEFAULT_CHECKSUM, XXH3_64, ChecksumKind,
-                                     block_crcs, checksum, crc32)
+                                     block_crcs, checksum, checksum_bytes, crc32)
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, CRC_BLOCK - 1, CRC_BLOCK, CRC_BLOCK + 1, 2 * CRC_BLOCK, 9 * (1 << 20) + 7])
@@ -62,3 +62,15 @@ def test_block_crcs_are_the_crc_of_each_block_of_the_bytes_in_any_dtype():
     assert block_crcs(tensor) == [zlib.crc32(raw[:CRC_BLOCK]), zlib.crc32(raw[CRC_BLOCK:])]
     assert block_crcs(tensor, CRC32C) == [crc32c.crc32c(raw[:CRC_BLOCK]), crc32c.crc32c(raw[CRC_BLOCK:])]
     assert crc32(tensor) == checksum(tensor, CRC32) == zlib.crc32(raw)
+
+
+@pytest.mark.parametrize("kind", [CRC32, CRC32C, XXH3_64], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("nbytes", [0, 5, CRC_BLOCK + 3])
+def test_the_checksum_of_a_slice_of_mapped_bytes_is_that_of_a_tensor_of_them(kind, nbytes):
+    """What the disk store's verification computes: a slice of a buffer's memoryview, no tensor made; across
+    crc blocks too (CRC_BLOCK + 3 bytes: two blocks, joined)."""
+    data = torch.randint(0, 256, (nbytes + 11,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    raw = data.numpy().tobytes()
+    expected = {"crc32": zlib.crc32, "crc32c": crc32c.crc32c, "xxh3-64": xxhash.xxh3_64_intdigest}[kind.name]
+    view = memoryview(bytearray(raw))[7:7 + nbytes]
+    assert checksum_bytes(view, kind) == checksum(data[7:7 + nbytes], kind) == expected(raw[7:7 + nbytes])

@@ -441,8 +441,8 @@ def test_disk_batch_read_checksums_on_another_thread_while_then_runs_and_returns
 
     store, victim, bystander, _path = damaged
     checked_on, real_verify = [], disk._verify
-    monkeypatch.setattr(disk, "_verify", lambda header, tensors: (checked_on.append(threading.current_thread().name),
-                                                                  real_verify(header, tensors)))
+    monkeypatch.setattr(disk, "_verify", lambda header, data, names: (checked_on.append(threading.current_thread().name),
+                                                                        real_verify(header, data, names)))
     # a batch this small (8 KiB) is checked first, in the calling thread
     store.get_batch([victim, bystander], None, len)
     assert checked_on == [threading.current_thread().name] * 2

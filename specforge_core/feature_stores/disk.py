@@ -32,7 +32,7 @@ import os
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import attrs
 import torch
@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from ..contracts import SampleRef
 from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
-from ..checksums import CHECKSUM_KINDS, CRC32, DEFAULT_CHECKSUM, ChecksumKind, checksum
+from ..checksums import CHECKSUM_KINDS, CRC32, DEFAULT_CHECKSUM, ChecksumKind, checksum, checksum_bytes
 from ..fileio import fsync_dir
 from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
@@ -227,11 +227,12 @@ class DiskFeatureStore(BaseFeatureStore):
     def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
                                                                         Callable[[], None] | None]:
         # the checksum pass, if any, is left to the caller: get runs it at once, get_batch beside the collate
-        header, tensors = self._map(ref, names)
-        return tensors, (functools.partial(_verify, header, tensors) if self.verify_checksums else None)
+        header, mapped, tensors = self._map(ref, names)
+        return tensors, (functools.partial(_verify, header, mapped, tensors) if self.verify_checksums else None)
 
-    def _map(self, ref: SampleRef, names: list[str]) -> tuple[_Header, dict[str, torch.Tensor]]:
-        """The file's header and ``names``' tensors over its private map, every check but the checksums done."""
+    def _map(self, ref: SampleRef, names: list[str]) -> tuple[_Header, mmap.mmap, dict[str, torch.Tensor]]:
+        """The file's header, its private map and ``names``' tensors over that map, every check but the
+        checksums done."""
         # Kept to few Python steps and syscalls on purpose: with the CPU caches flushed by the
         # previous sample's copy, a get's cost is mostly its interpreter work
         # (bench/feature_stores.py).
@@ -278,7 +279,7 @@ class DiskFeatureStore(BaseFeatureStore):
                 if len(shape) != 1:  # frombuffer gives 1-D already: one dispatch less for ids and masks
                     tensor = tensor.view(shape)
             tensors[name] = tensor
-        return header, tensors
+        return header, mapped, tensors
 
     def _release(self, ref: SampleRef) -> bool:
         path = self._file(ref.sample_id, ref.generation)
@@ -449,11 +450,14 @@ def _check_stored_ref(header: _Header, ref: SampleRef) -> None:
         raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
 
 
-def _verify(header: _Header, tensors: dict[str, torch.Tensor]) -> None:
-    """Raise :class:`CorruptFeatureError` unless each tensor's checksum is the one its file records."""
+def _verify(header: _Header, data: Any, names: Iterable[str]) -> None:
+    """Raise :class:`CorruptFeatureError` unless each of ``names``' bytes in ``data`` (the file's contents,
+    its map) has the checksum its file records. Hashes the bytes where they lie, no tensor made."""
     kind, crcs = _recorded_crcs(header)
-    for name, tensor in tensors.items():
-        actual = checksum(tensor, kind)
+    view, entries, data_start = memoryview(data), header.entries, header.data_start
+    for name in names:
+        _dtype, _shape, start, end = entries[name]
+        actual = checksum_bytes(view[data_start + start:data_start + end], kind)
         if actual != crcs.get(name):
             raise _corrupt(header.path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
                                         f"read {actual}): its bytes changed after they were written")
