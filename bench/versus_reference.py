@@ -47,12 +47,15 @@ from typing import Any
 STRATEGIES = ("eagle3", "dflash", "domino", "dspark")
 
 #: What each path executes, per strategy: {path: {"cpu": ..., "cuda": ...}}.
-_HALF = ("; bfloat16 linears as float32 GEMMs of upcast operands (this CPU has no bf16 GEMM instructions: "
-         "specforge_core.nn.linear)")
+#: ours' bfloat16 linears on CPU, by whether the CPU has bf16 GEMM instructions (kernels() picks the line)
+_HALF = {True: "; bfloat16 linears as float32 GEMMs of upcast operands (this CPU has no bf16 GEMM instructions: "
+               "specforge_core.nn.linear)",
+         False: "; bfloat16 linears on torch's native bf16 GEMM (this CPU has bf16 GEMM instructions)"}
+#: the reference's bfloat16 GEMMs on CPU, likewise
+_HALF_REFERENCE = {True: " (bf16 GEMM without bf16 instructions)", False: " (native bf16 GEMM)"}
 KERNELS = {
-    "linears": {"ours": {"cpu": "float32: MKL sgemm" + _HALF, "cuda": "cuBLAS, native bf16 tensor cores"},
-                "reference": {"cpu": "torch's own kernels in the step's dtype (bf16 GEMM without bf16 instructions)",
-                              "cuda": "cuBLAS, native bf16"},
+    "linears": {"ours": {"cpu": "float32: MKL sgemm", "cuda": "cuBLAS, native bf16 tensor cores"},
+                "reference": {"cpu": "torch's own kernels in the step's dtype", "cuda": "cuBLAS, native bf16"},
                 "heads": "Domino's correction and DSpark's Markov/confidence heads are the model's modules in "
                          "both paths",
                 "domino_gru": {"ours": {"cpu": "specforge_plugin_domino.gru.FusedGRU: all steps' input GEMM at once, "
@@ -88,8 +91,11 @@ KERNELS = {
                                   "block over its own keys in one call; backward through the flash backward given "
                                   "the merged output",
                            "cuda": "SDPA memory-efficient kernel per group (boolean mask)"},
-        "ours_loss": {"cpu": "cross-entropy over chunks of 16 blocks, each checkpointed (logits recomputed in "
-                             "backward) unless all blocks fit one chunk", "cuda": "the same"},
+        "ours_loss": {"cpu": "the frozen lm_head fused with the cross-entropy (DSpark: with the L1 distillation "
+                             "term, Domino: with the correction head's), a tile of whole blocks at a time (about "
+                             "256K logits, in cache): logits, logsumexp, argmax and the input gradients in one pass, "
+                             "gradients by GEMMs in forward; no logits kept for backward",
+                      "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per tile)"},
         "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask, K/V "
                                        "heads repeated for GQA",
                                 "cuda": "SDPA memory-efficient kernel with the dense mask"},
@@ -399,7 +405,13 @@ def _trim_heap() -> None:
 
 def kernels(family: str, args: argparse.Namespace) -> dict:
     """:data:`KERNELS` for ``family`` as this comparison runs them (compiled layers, an eager reference)."""
-    described = {**KERNELS[family], "linears": KERNELS["linears"]}
+    from specforge_core.nn import upcast_half_gemm_on_cpu
+
+    upcast = upcast_half_gemm_on_cpu()
+    linears = KERNELS["linears"]
+    linears = {**linears, "ours": {**linears["ours"], "cpu": linears["ours"]["cpu"] + _HALF[upcast]},
+               "reference": {**linears["reference"], "cpu": linears["reference"]["cpu"] + _HALF_REFERENCE[upcast]}}
+    described = {**KERNELS[family], "linears": linears}
     if args.compile:
         described["ours_layers"] = {"cpu": "torch.compile (inductor C++ kernels) around the eager attention",
                                     "cuda": "torch.compile (inductor Triton kernels) around the eager attention"}

@@ -87,8 +87,10 @@ class DFlashOptions:
               "(what the published Qwen3 drafts use); else the highest id that is not a special token, refused "
               "if the training data supervises it.", check=non_negative)
     logit_chunk_size: int = option(
-        16, "Blocks per logits chunk in the loss, so the [blocks*block_size, vocab] logits never exist at "
-            "once (each chunk is recomputed in backward).", check=positive)
+        16, "Blocks of a sample per chunk of logits in the loss, so the [blocks*block_size, vocab] logits never "
+            "exist at once. The fused losses (DFlash, Domino, DSpark) compute a chunk a tile of whole blocks at a "
+            "time, about 256K logits each, and keep gradients rather than logits; DSpark recomputes each chunk "
+            "in backward when there are several (its confidence head stays with autograd).", check=positive)
     eval_anchor_chunk: int = option(
         32, "Evaluation drafts a block at every valid anchor to replay decoding (accept_len_sim); this many "
             "anchors per sample go through the draft at once.", check=positive)

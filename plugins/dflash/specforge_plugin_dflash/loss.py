@@ -10,7 +10,9 @@ autograd each chunk is checkpointed (recomputed in backward), so only one chunk'
 exist at any moment, in forward and in backward (a batch whose blocks fit one chunk is
 computed once, without the recomputation). DFlash's own loss, through the frozen target
 lm_head, is :func:`frozen_head_cross_entropy`: the same sums, fused, with the input gradient
-computed chunk by chunk in forward.
+computed in forward, a tile of whole blocks at a time (:func:`block_tiles`: about
+:data:`TILE_ELEMENTS` logits, so they stay in cache and the step's transient memory stays small;
+Domino's and DSpark's fused losses take the same tiles).
 """
 
 from __future__ import annotations
@@ -105,6 +107,27 @@ def to_logit_gradient(z: torch.Tensor, mass: torch.Tensor, label: torch.Tensor, 
     return z.mul_(w[:, None] / mass[:, None]).scatter_add_(-1, label, -w[:, None])
 
 
+#: Logits per tile of the fused losses (1 MiB of float32): a tile of whole blocks is cut to about this many,
+#: so its logits stay in the CPU's L2 cache through the passes over them, and the step's transient memory
+#: stays small however many blocks a chunk holds; never fewer than :data:`MIN_TILE_ROWS` rows.
+TILE_ELEMENTS = 1 << 18
+#: Each tile's GEMM passes over the whole head, so a tile has at least this many rows to amortise that.
+MIN_TILE_ROWS = 128
+
+
+def block_tiles(batch: int, blocks: int, block_size: int, vocab: int,
+                chunk_blocks: int) -> list[tuple[slice, slice]]:
+    """``(samples, blocks)`` slices tiling ``[batch, blocks]`` whole blocks: at most ``chunk_blocks`` blocks of a
+    sample per tile, and about :data:`TILE_ELEMENTS` logits (``rows * vocab``; ``rows`` = samples x blocks x
+    ``block_size``) unless a single block is wider, at least :data:`MIN_TILE_ROWS` rows where there are that
+    many. Tiles cover every block once, block ranges outermost."""
+    rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // max(1, vocab))
+    per_sample = max(1, min(chunk_blocks, rows // block_size))
+    samples = max(1, rows // (per_sample * block_size))
+    return [(slice(first, min(first + samples, batch)), slice(start, min(start + per_sample, blocks)))
+            for start in range(0, blocks, per_sample) for first in range(0, batch, samples)]
+
+
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """:func:`frozen_head_cross_entropy`'s forward; its input gradient is computed there, so backward scales it."""
 
@@ -112,26 +135,38 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 chunk_blocks: int, weighting: LossWeighting | None) -> tuple[torch.Tensor, torch.Tensor]:
         batch, blocks, bs, width = hidden.shape
+        vocab = head.shape[0]
         grads = ctx.needs_input_grad[0]
-        gemm = torch.float32 if upcasts(batch * min(blocks, chunk_blocks) * bs, head) else head.dtype
+        tiles = block_tiles(batch, blocks, bs, vocab, chunk_blocks)
+        most = max((samples.stop - samples.start) * (part.stop - part.start) * bs for samples, part in tiles)
+        gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)  # the logits' dtype, as DFlashBackbone.logits gives them
         head_g = head.to(gemm)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         predictions = torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grads else None
-        for start in range(0, blocks, chunk_blocks):
-            end = min(start + chunk_blocks, blocks)
-            rows = hidden[:, start:end].reshape(-1, width).to(head.dtype).to(gemm)
-            z = (rows @ head_g.t()).to(acc)  # [R, V] logits of the chunk, overwritten below
-            label = labels[:, start:end].reshape(-1, 1)
+        # one buffer for every tile's logits (and one in the GEMMs' dtype when that differs), reused
+        logits = torch.empty(most, vocab, dtype=acc, device=hidden.device)
+        narrow = None if gemm == acc else torch.empty(most, vocab, dtype=gemm, device=hidden.device)
+        for samples, part in tiles:
+            rows = hidden[samples, part].reshape(-1, width).to(head.dtype).to(gemm)
+            z = logits[:rows.shape[0]]
+            if narrow is None:
+                torch.mm(rows, head_g.t(), out=z)
+            else:
+                z.copy_(torch.mm(rows, head_g.t(), out=narrow[:rows.shape[0]]))
+            tile_labels = labels[samples, part]
+            label = tile_labels.reshape(-1, 1)
             ce, ids, mass = softmax_cross_entropy_terms(z, label)  # z now holds exp(z - max)
-            ce = ce.view(labels[:, start:end].shape)
-            w = weights[:, start:end] if weighting is None else weighting.reweight(ce, weights[:, start:end])
+            ce = ce.view(tile_labels.shape)
+            w = weights[samples, part] if weighting is None else weighting.reweight(ce, weights[samples, part])
             total += (w * ce).sum()
-            predictions[:, start:end] = ids.view(ce.shape)
-            if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the chunk is in cache
+            predictions[samples, part] = ids.view(ce.shape)
+            if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the tile is in cache
                 dz = to_logit_gradient(z, mass, label, w.reshape(-1).to(acc))
-                grad_hidden[:, start:end] = (dz.to(gemm) @ head_g).view(batch, end - start, bs, width)
+                if narrow is not None:
+                    dz = narrow[:rows.shape[0]].copy_(dz)
+                grad_hidden[samples, part] = (dz @ head_g).view(grad_hidden[samples, part].shape)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
         return total, predictions
@@ -148,13 +183,13 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     """``Σ w·CE`` of the logits ``hidden [B, N, bs, H] @ head [V, H]^T`` against ``labels [B, N, bs]``, and the
     argmax predictions ``[B, N, bs]``: what :func:`chunked_cross_entropy` gives for a frozen head, fused.
 
-    Per chunk of ``chunk_blocks`` blocks the logits are computed, their logsumexp, the label's
-    logit, the argmax and — under autograd — the gradient ``w (softmax - onehot) head`` for
-    ``hidden`` run while they are in cache, with one exp per logit; then the chunk's logits are
-    dropped. What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits,
-    and nothing is recomputed. ``head`` gets no gradient (DFlash's is the target's frozen
-    lm_head). ``weighting`` (D-PACE) reweights each chunk from its own cross-entropies, which is
-    why chunks hold whole blocks. Logits are float32 (float64 for a float64 head), as
+    Per tile of whole blocks (:func:`block_tiles`: at most ``chunk_blocks`` blocks of a sample, about
+    :data:`TILE_ELEMENTS` logits) the logits are computed into one buffer reused by every tile, and
+    their logsumexp, the label's logit, the argmax and — under autograd — the gradient
+    ``w (softmax - onehot) head`` for ``hidden`` run while they are in cache, with one exp per logit.
+    What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits, and nothing is
+    recomputed. ``head`` gets no gradient (DFlash's is the target's frozen lm_head). ``weighting``
+    (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold whole blocks. Logits are float32 (float64 for a float64 head), as
     :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
     runs its GEMMs in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`).
     """

@@ -115,12 +115,21 @@ def test_chunked_cross_entropy_equals_the_unchunked_loss_and_gradients():
         assert torch.equal(predictions, full.argmax(-1))
 
 
+@pytest.mark.parametrize("tile_blocks", [None, 1, 3])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_the_fused_frozen_head_loss_equals_the_chunked_one_in_sum_gradient_and_argmax(loss_type):
+def test_the_fused_frozen_head_loss_equals_the_chunked_one_in_sum_gradient_and_argmax(loss_type, tile_blocks,
+                                                                                     monkeypatch):
     """frozen_head_cross_entropy against chunked_cross_entropy over the same head (autograd, checkpointed
-    chunks), under DFlash's weights and every D-PACE type, in chunks of 1, 2 and all blocks."""
+    chunks), under DFlash's weights and every D-PACE type, in chunks of 1, 2 and all blocks, and in tiles
+    of one tile per chunk, one block per tile, and three blocks' rows per tile (both samples of a
+    one-block chunk in one tile)."""
+    from specforge_plugin_dflash import loss
     from specforge_plugin_dflash.dpace import LossWeighting
     from specforge_plugin_dflash.loss import frozen_head_cross_entropy
+
+    if tile_blocks is not None:
+        monkeypatch.setattr(loss, "TILE_ELEMENTS", 0)
+        monkeypatch.setattr(loss, "MIN_TILE_ROWS", tile_blocks * 4)  # blocks of 4 positions
 
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 5, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -141,6 +150,31 @@ def test_the_fused_frozen_head_loss_equals_the_chunked_one_in_sum_gradient_and_a
     with torch.no_grad():  # eval: the same sum and argmax, no gradient computed
         total, predictions = frozen_head_cross_entropy(hidden, head, labels, weights, 2, weighting=weighting)
     assert total.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(predictions, want_predictions)
+
+
+def test_block_tiles_cover_every_block_once_within_the_chunk_and_the_logit_budget():
+    from specforge_plugin_dflash.loss import block_tiles
+
+    def spans(tiles):
+        return [((t[0].start, t[0].stop), (t[1].start, t[1].stop)) for t in tiles]
+
+    # a small vocabulary: the chunk of blocks is the limit (2 blocks of 4 positions, both samples)
+    assert spans(block_tiles(2, 5, 4, 30, 2)) == [((0, 2), (0, 2)), ((0, 2), (2, 4)), ((0, 2), (4, 5))]
+    # the step bench's shapes (V 1024): 256 rows a tile, one sample's 16 blocks
+    assert spans(block_tiles(4, 16, 16, 1024, 16)) == [((b, b + 1), (0, 16)) for b in range(4)]
+    # a 49152-token vocabulary: never fewer than MIN_TILE_ROWS = 128 rows, so 8 blocks of 16
+    assert spans(block_tiles(2, 16, 16, 49152, 16)) == [((0, 1), (0, 8)), ((1, 2), (0, 8)),
+                                                        ((0, 1), (8, 16)), ((1, 2), (8, 16))]
+    # a block wider than a tile's rows is a tile of its own
+    assert spans(block_tiles(2, 2, 300, 49152, 16)) == [((0, 1), (0, 1)), ((1, 2), (0, 1)),
+                                                        ((0, 1), (1, 2)), ((1, 2), (1, 2))]
+    for batch, blocks, bs, vocab, chunk in [(3, 7, 5, 100000, 3), (5, 9, 2, 7, 4), (1, 1, 1, 1, 1)]:
+        tiles = block_tiles(batch, blocks, bs, vocab, chunk)
+        seen = torch.zeros(batch, blocks, dtype=torch.long)
+        for samples, part in tiles:
+            seen[samples, part] += 1
+            assert part.stop - part.start <= chunk
+        assert seen.eq(1).all()
 
 
 def test_the_fused_frozen_head_loss_in_bfloat16_is_within_bfloat16_rounding_of_float32(half_gemm):

@@ -13,7 +13,8 @@ For the rows r of a chunk of blocks (draft hidden ``h_r``, label ``y_r``, block 
     db_r  = (λ wb_r + (1 - λ) wf_r [k_r < start]) (softmax(b_r) - onehot(y_r)) + df_r [k_r >= start]
     dh = db W,   da = df W2,   dW2 = df^T a           three GEMMs, in forward
 
-Each head's softmax, cross-entropy, argmax and logit gradient share one pass over the chunk's
+A chunk is computed a tile of whole blocks at a time (:func:`specforge_plugin_dflash.loss.block_tiles`);
+each head's softmax, cross-entropy, argmax and logit gradient share one pass over the tile's
 logits, and what backward keeps is ``dh``, ``da`` and ``dW2``, scaled by the incoming gradient
 of ``S``. ``W1`` and the SiLU stay with autograd (through ``da``). Half precision runs the GEMMs
 in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`); the
@@ -28,7 +29,7 @@ import attrs
 import torch
 
 from specforge_core.nn import upcasts
-from specforge_plugin_dflash.loss import softmax_cross_entropy_terms, to_logit_gradient
+from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms, to_logit_gradient
 
 if TYPE_CHECKING:
     from specforge_plugin_dflash.dpace import LossWeighting
@@ -67,43 +68,59 @@ class _DualHead(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, activation: torch.Tensor, w2: torch.Tensor, head: torch.Tensor,
                 labels: torch.Tensor, weights: torch.Tensor, weighting: LossWeighting | None, start: int,
                 lam: float):
-        batch, blocks, bs, width = hidden.shape
-        rank, rows = activation.shape[-1], labels.numel()
-        suffix_shape = (batch, blocks, bs - start)
-        gemm = torch.float32 if upcasts(rows, head) else head.dtype
+        width, rank, bs = hidden.shape[-1], activation.shape[-1], labels.shape[-1]
+        tiles = block_tiles(*labels.shape, head.shape[0], labels.shape[1])  # whole blocks, about TILE_ELEMENTS logits
+        most = max((samples.stop - samples.start) * (part.stop - part.start) for samples, part in tiles) * bs
+        gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)
         head_g, w2_g = head.to(gemm), w2.to(gemm)
-        h = hidden.reshape(rows, width).to(head.dtype).to(gemm)
-        a = activation.reshape(-1, rank).to(w2.dtype).to(gemm)
-        base = (h @ head_g.t()).to(acc).view(batch, blocks, bs, -1)  # [B, c, bs, V]
-        final = (a @ w2_g.t()).to(acc).view(*suffix_shape, -1)
-        final += base[:, :, start:]  # [B, c, bs - start, V]: the corrected logits
-        label = labels.reshape(-1, 1)
-        label_s = labels[..., start:].reshape(-1, 1)
-        base, final = base.view(rows, -1), final.view(label_s.shape[0], -1)  # the same buffers, rows of logits
-        base_ce, base_predictions, base_mass = softmax_cross_entropy_terms(base, label)
-        final_ce_s, final_predictions, final_mass = softmax_cross_entropy_terms(final, label_s)
-        base_ce, base_predictions = base_ce.view(labels.shape), base_predictions.view(labels.shape)
-        final_ce = torch.cat([base_ce[..., :start], final_ce_s.view(suffix_shape)], dim=-1)
-        predictions = torch.cat([base_predictions[..., :start], final_predictions.view(suffix_shape)], dim=-1)
-        wb = weights if weighting is None else weighting.reweight(base_ce, weights)
-        wf = weights if weighting is None else weighting.reweight(final_ce, weights)
-        sums = torch.stack([(wb * base_ce).sum(), (wf * final_ce).sum()])
-        grads: list[torch.Tensor | None] = [None, None, None]
-        if any(ctx.needs_input_grad[:3]):
-            coefficient = lam * wb.to(acc)
-            coefficient[..., :start] += (1.0 - lam) * wf[..., :start].to(acc)
-            d_final = to_logit_gradient(final, final_mass, label_s, (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
-            d_base = to_logit_gradient(base, base_mass, label, coefficient.reshape(-1))
-            d_base.view(batch, blocks, bs, -1)[:, :, start:] += d_final.view(*suffix_shape, -1)
-            d_final_g = d_final.to(gemm)
-            if ctx.needs_input_grad[0]:
-                grads[0] = (d_base.to(gemm) @ head_g).view(hidden.shape).to(hidden.dtype)
-            if ctx.needs_input_grad[1]:
-                grads[1] = (d_final_g @ w2_g).view(activation.shape).to(activation.dtype)
-            if ctx.needs_input_grad[2]:
-                grads[2] = (d_final_g.t() @ a).to(w2.dtype)
-        ctx.save_for_backward(*grads)
+        needed = ctx.needs_input_grad
+        base_ce, final_ce = (torch.empty(labels.shape, dtype=acc, device=hidden.device) for _ in range(2))
+        base_predictions, predictions = (torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
+                                         for _ in range(2))
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needed[0] else None
+        grad_a = torch.empty(activation.shape, dtype=activation.dtype, device=hidden.device) if needed[1] else None
+        grad_w2 = torch.zeros(w2.shape, dtype=acc, device=w2.device) if needed[2] else None
+        sums = torch.zeros(2, dtype=acc, device=hidden.device)
+        for samples, part in tiles:
+            tile = labels[samples, part].shape  # [b, c, bs]
+            rows, suffix_shape = tile.numel(), (*tile[:2], bs - start)
+            h = hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
+            a = activation[samples, part].reshape(-1, rank).to(w2.dtype).to(gemm)
+            base = (h @ head_g.t()).to(acc).view(*tile, -1)  # [b, c, bs, V]
+            final = (a @ w2_g.t()).to(acc).view(*suffix_shape, -1)
+            final += base[:, :, start:]  # [b, c, bs - start, V]: the corrected logits
+            tile_labels = labels[samples, part]
+            label = tile_labels.reshape(-1, 1)
+            label_s = tile_labels[..., start:].reshape(-1, 1)
+            base, final = base.view(rows, -1), final.view(label_s.shape[0], -1)  # the same buffers, rows of logits
+            tile_base_ce, tile_base_pred, base_mass = softmax_cross_entropy_terms(base, label)
+            final_ce_s, final_pred_s, final_mass = softmax_cross_entropy_terms(final, label_s)
+            tile_base_ce, tile_base_pred = tile_base_ce.view(tile), tile_base_pred.view(tile)
+            tile_final_ce = torch.cat([tile_base_ce[..., :start], final_ce_s.view(suffix_shape)], dim=-1)
+            base_ce[samples, part], final_ce[samples, part] = tile_base_ce, tile_final_ce
+            base_predictions[samples, part] = tile_base_pred
+            predictions[samples, part] = torch.cat([tile_base_pred[..., :start], final_pred_s.view(suffix_shape)],
+                                                   dim=-1)
+            tile_weights = weights[samples, part]
+            wb = tile_weights if weighting is None else weighting.reweight(tile_base_ce, tile_weights)
+            wf = tile_weights if weighting is None else weighting.reweight(tile_final_ce, tile_weights)
+            sums += torch.stack([(wb * tile_base_ce).sum(), (wf * tile_final_ce).sum()])
+            if any(needed[:3]):
+                coefficient = lam * wb.to(acc)
+                coefficient[..., :start] += (1.0 - lam) * wf[..., :start].to(acc)
+                d_final = to_logit_gradient(final, final_mass, label_s,
+                                            (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
+                d_base = to_logit_gradient(base, base_mass, label, coefficient.reshape(-1))
+                d_base.view(*tile, -1)[:, :, start:] += d_final.view(*suffix_shape, -1)
+                d_final_g = d_final.to(gemm)
+                if grad_h is not None:
+                    grad_h[samples, part] = (d_base.to(gemm) @ head_g).view(*tile, width)
+                if grad_a is not None:
+                    grad_a[samples, part] = (d_final_g @ w2_g).view(*suffix_shape, rank)
+                if grad_w2 is not None:
+                    grad_w2 += d_final_g.t() @ a
+        ctx.save_for_backward(grad_h, grad_a, None if grad_w2 is None else grad_w2.to(w2.dtype))
         ctx.mark_non_differentiable(sums, base_predictions, predictions)
         return lam * sums[0] + (1.0 - lam) * sums[1], sums, base_predictions, predictions
 

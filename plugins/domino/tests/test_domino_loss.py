@@ -187,14 +187,19 @@ def test_the_losss_gradients_are_the_written_out_losss(make_draft, chunk, step):
             assert scale > 0 and (got[name] - p.grad).abs().max() <= 1e-4 * scale, name
 
 
+@pytest.mark.parametrize("tile_blocks", [None, 1, 2])  # one tile; a block per tile; two blocks' rows per tile
 @pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
-def test_fused_heads_equal_the_written_out_ones_in_float64(loss_type, lam):
+def test_fused_heads_equal_the_written_out_ones_in_float64(loss_type, lam, tile_blocks, monkeypatch):
+    from specforge_plugin_dflash import loss
     from specforge_plugin_dflash.dpace import LossWeighting
     from specforge_plugin_domino.head_loss import DualHeadSums, DualHeadTerms, dual_head_terms
 
     gen = torch.Generator().manual_seed(7)
     b, c, bs, h, e, v, start = 2, 3, 5, 8, 6, 30, 2
+    if tile_blocks is not None:
+        monkeypatch.setattr(loss, "TILE_ELEMENTS", 0)
+        monkeypatch.setattr(loss, "MIN_TILE_ROWS", tile_blocks * bs)
     hidden = torch.randn(b, c, bs, h, generator=gen, dtype=torch.float64, requires_grad=True)
     activation = torch.randn(b, c, bs - start, e, generator=gen, dtype=torch.float64, requires_grad=True)
     w2 = torch.randn(v, e, generator=gen, dtype=torch.float64, requires_grad=True)

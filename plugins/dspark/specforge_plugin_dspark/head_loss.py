@@ -12,8 +12,9 @@ token before the slot, the teacher's lm_head input ``u_r``, the label ``y_r``)::
     dz_r  = w_r (a_ce (p_r - onehot(y_r)) + a_l1 p_r ⊙ (sign(p_r - t_r) - <p_r, sign(p_r - t_r)>))
     dh = dz W,   de = dz W2,   dW2 = dz^T e          three GEMMs, in forward
 
-The softmax, the cross-entropy, the L1 term, the argmax and ``dz`` share one pass over a
-chunk's logits, and what backward keeps is ``dh``, ``de`` and ``dW2``, scaled by the incoming
+A chunk is computed a tile of whole blocks at a time (:func:`specforge_plugin_dflash.loss.block_tiles`);
+the softmax, the cross-entropy, the L1 term, the argmax and ``dz`` share one pass over a tile's
+logits, and what backward keeps is ``dh``, ``de`` and ``dW2``, scaled by the incoming
 gradient of ``S``. The confidence head's BCE, whose target ``accept`` carries no gradient, stays
 with autograd. Half precision runs its GEMMs in float32 on CPUs without bf16 GEMM instructions
 (:func:`specforge_core.nn.upcasts`); the logits and everything after them are float32.
@@ -27,7 +28,7 @@ import attrs
 import torch
 
 from specforge_core.nn import upcasts
-from specforge_plugin_dflash.loss import softmax_cross_entropy_terms
+from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms
 
 if TYPE_CHECKING:
     from specforge_plugin_dflash.dpace import LossWeighting
@@ -71,43 +72,55 @@ class _Distillation(torch.autograd.Function):
                 teacher_hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 weighting: LossWeighting | None, ce_alpha: float, l1_alpha: float):
         shape, width, rank = labels.shape, hidden.shape[-1], embedding.shape[-1]
-        rows = labels.numel()
-        gemm = torch.float32 if upcasts(rows, head) else head.dtype
+        tiles = block_tiles(*shape, head.shape[0], shape[1])  # whole blocks, about TILE_ELEMENTS logits each
+        most = max((samples.stop - samples.start) * (part.stop - part.start) for samples, part in tiles) * shape[2]
+        gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)
         head_g, w2_g = head.to(gemm), w2.to(gemm)
-        h = hidden.reshape(rows, width).to(head.dtype).to(gemm)
-        e = embedding.reshape(rows, rank).to(w2.dtype).to(gemm)
-        z = (h @ head_g.t()).to(acc)
-        z += (e @ w2_g.t()).to(acc)  # [R, V] logits
-        teacher = torch.softmax((teacher_hidden.reshape(rows, width).to(head.dtype).to(gemm) @ head_g.t()).to(acc),
-                                dim=-1)
-        label = labels.reshape(rows, 1)
-        ce, predictions, mass = softmax_cross_entropy_terms(z, label)
-        p = z.div_(mass[:, None])  # z now holds the draft's softmax
-        ce = ce.view(shape)
-        sign = teacher.neg_().add_(p)  # p - t, in the teacher's buffer
-        l1 = sign.abs().sum(-1).view(shape)
-        sign.sign_()
-        w = weights if weighting is None else weighting.reweight(ce, weights)
-        w = w.clone() if w is weights else w  # an output of its own, not the input
+        grads_needed = any(ctx.needs_input_grad[:3])
+        ce, l1 = torch.empty(shape, dtype=acc, device=hidden.device), torch.empty(shape, dtype=acc, device=hidden.device)
+        w = torch.empty(shape, dtype=weights.dtype, device=hidden.device)
+        predictions = torch.empty(shape, dtype=torch.long, device=hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
+            if grads_needed and ctx.needs_input_grad[0] else None
+        grad_e = torch.empty(embedding.shape, dtype=embedding.dtype, device=hidden.device) \
+            if grads_needed and ctx.needs_input_grad[1] else None
+        grad_w2 = torch.zeros(w2.shape, dtype=acc, device=w2.device) if grads_needed and ctx.needs_input_grad[2] else None
+        for samples, part in tiles:
+            tile = labels[samples, part].shape
+            rows = tile.numel()
+            h = hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
+            e = embedding[samples, part].reshape(rows, rank).to(w2.dtype).to(gemm)
+            z = (h @ head_g.t()).to(acc)
+            z += (e @ w2_g.t()).to(acc)  # [R, V] logits of the tile
+            teacher = torch.softmax((teacher_hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
+                                     @ head_g.t()).to(acc), dim=-1)
+            label = labels[samples, part].reshape(rows, 1)
+            tile_ce, tile_predictions, mass = softmax_cross_entropy_terms(z, label)
+            p = z.div_(mass[:, None])  # z now holds the draft's softmax
+            tile_ce = tile_ce.view(tile)
+            sign = teacher.neg_().add_(p)  # p - t, in the teacher's buffer
+            tile_l1 = sign.abs().sum(-1).view(tile)
+            sign.sign_()
+            tile_w = weights[samples, part] if weighting is None else weighting.reweight(tile_ce, weights[samples, part])
+            ce[samples, part], l1[samples, part], w[samples, part] = tile_ce, tile_l1, tile_w
+            predictions[samples, part] = tile_predictions.view(tile)
+            if grads_needed:
+                # dz = p ⊙ w (a_ce + a_l1 (s - <p, s>)) - w a_ce onehot, built in the sign buffer
+                w_rows = tile_w.reshape(rows, 1).to(acc)
+                inner = (p * sign).sum(-1, keepdim=True)
+                dz = sign.sub_(inner).mul_(l1_alpha).add_(ce_alpha).mul_(p).mul_(w_rows)
+                dz.scatter_add_(-1, label, -ce_alpha * w_rows)
+                dz_g = dz.to(gemm)
+                if grad_h is not None:
+                    grad_h[samples, part] = (dz_g @ head_g).view(*tile, width)
+                if grad_e is not None:
+                    grad_e[samples, part] = (dz_g @ w2_g).view(*tile, rank)
+                if grad_w2 is not None:
+                    grad_w2 += dz_g.t() @ e
         sums = torch.stack([(w * ce).sum(), (w * l1).sum()])
         accept = (1.0 - l1 / 2).clamp(0.0, 1.0)
-        predictions = predictions.view(shape)
-        grads: list[torch.Tensor | None] = [None, None, None]
-        if any(ctx.needs_input_grad[:3]):
-            # dz = p ⊙ w (a_ce + a_l1 (s - <p, s>)) - w a_ce onehot, built in the sign buffer
-            w_rows = w.reshape(rows, 1).to(acc)
-            inner = (p * sign).sum(-1, keepdim=True)
-            dz = sign.sub_(inner).mul_(l1_alpha).add_(ce_alpha).mul_(p).mul_(w_rows)
-            dz.scatter_add_(-1, label, -ce_alpha * w_rows)
-            dz_g = dz.to(gemm)
-            if ctx.needs_input_grad[0]:
-                grads[0] = (dz_g @ head_g).view(hidden.shape).to(hidden.dtype)
-            if ctx.needs_input_grad[1]:
-                grads[1] = (dz_g @ w2_g).view(embedding.shape).to(embedding.dtype)
-            if ctx.needs_input_grad[2]:
-                grads[2] = (dz_g.t() @ e).to(w2.dtype)
-        ctx.save_for_backward(*grads)
+        ctx.save_for_backward(grad_h, grad_e, None if grad_w2 is None else grad_w2.to(w2.dtype))
         ctx.mark_non_differentiable(sums, w, accept, predictions)
         loss = ce_alpha * sums[0] + l1_alpha * sums[1]
         return loss, sums, w, accept, predictions

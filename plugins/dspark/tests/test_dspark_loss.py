@@ -183,13 +183,18 @@ def test_the_losss_gradients_are_the_reference_losss(make_draft, chunk):
             assert scale > 0 and (got[name] - p.grad).abs().max() <= 1e-4 * scale, name
 
 
+@pytest.mark.parametrize("tile_blocks", [None, 1, 2])  # one tile; a block per tile; two blocks' rows per tile
 @pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
-def test_fused_distillation_terms_equal_the_written_out_ones_in_float64(loss_type):
+def test_fused_distillation_terms_equal_the_written_out_ones_in_float64(loss_type, tile_blocks, monkeypatch):
+    from specforge_plugin_dflash import loss
     from specforge_plugin_dflash.dpace import LossWeighting
     from specforge_plugin_dspark.head_loss import DistillationTerms, distillation_terms
 
     gen = torch.Generator().manual_seed(7)
     b, c, bs, h, r, v = 2, 3, 4, 8, 5, 30
+    if tile_blocks is not None:
+        monkeypatch.setattr(loss, "TILE_ELEMENTS", 0)
+        monkeypatch.setattr(loss, "MIN_TILE_ROWS", tile_blocks * bs)
     hidden = torch.randn(b, c, bs, h, generator=gen, dtype=torch.float64, requires_grad=True)
     embedding = torch.randn(b, c, bs, r, generator=gen, dtype=torch.float64, requires_grad=True)
     w2 = torch.randn(v, r, generator=gen, dtype=torch.float64, requires_grad=True)
