@@ -30,7 +30,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 import crc32c
@@ -86,9 +86,9 @@ def checksum(tensor: torch.Tensor, kind: ChecksumKind = DEFAULT_CHECKSUM) -> int
     return checksum_bytes(_bytes_of(tensor), kind)
 
 
-def checksum_bytes(data: memoryview, kind: ChecksumKind = DEFAULT_CHECKSUM) -> int:
-    """:func:`checksum` of a contiguous byte buffer (a ``memoryview`` slice of a mapped file, say): the same
-    value as for a tensor of those bytes, without making the tensor."""
+def checksum_bytes(data: Any, kind: ChecksumKind = DEFAULT_CHECKSUM) -> int:
+    """:func:`checksum` of a flat, contiguous buffer of bytes (a ``memoryview`` slice of a mapped file, a uint8
+    array): the same value as for a tensor of those bytes, without making the tensor."""
     if not kind.threaded:
         return kind.function(data)
     nbytes = len(data)
@@ -106,7 +106,8 @@ def _bytes_of(tensor: torch.Tensor):
     return tensor.reshape(-1).view(_uint8()).numpy()
 
 
-def _block_crcs(data, kind: ChecksumKind) -> list[int]:
+def _block_crcs(data: Any, kind: ChecksumKind) -> list[int]:
+    """``kind`` of each ``CRC_BLOCK`` bytes of the flat buffer ``data``, the blocks of a large one in threads."""
     if len(data) <= CRC_BLOCK:
         return [kind.function(data)]
     blocks = [data[start:start + CRC_BLOCK] for start in range(0, len(data), CRC_BLOCK)]

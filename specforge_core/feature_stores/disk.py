@@ -228,7 +228,7 @@ class DiskFeatureStore(BaseFeatureStore):
                                                                         Callable[[], None] | None]:
         # the checksum pass, if any, is left to the caller: get runs it at once, get_batch beside the collate
         header, mapped, tensors = self._map(ref, names)
-        return tensors, (functools.partial(_verify, header, mapped, tensors) if self.verify_checksums else None)
+        return tensors, (functools.partial(_verify, header, mapped, names) if self.verify_checksums else None)
 
     def _map(self, ref: SampleRef, names: list[str]) -> tuple[_Header, mmap.mmap, dict[str, torch.Tensor]]:
         """The file's header, its private map and ``names``' tensors over that map, every check but the

@@ -107,20 +107,26 @@ def to_logit_gradient(z: torch.Tensor, mass: torch.Tensor, label: torch.Tensor, 
     return z.mul_(w[:, None] / mass[:, None]).scatter_add_(-1, label, -w[:, None])
 
 
-#: Logits per tile of the fused losses (1 MiB of float32): a tile of whole blocks is cut to about this many,
-#: so its logits stay in the CPU's L2 cache through the passes over them, and the step's transient memory
-#: stays small however many blocks a chunk holds; never fewer than :data:`MIN_TILE_ROWS` rows.
+#: Logits per tile of the fused losses on CPU (1 MiB of float32): a chunk of blocks is cut into tiles of whole
+#: blocks of about this many logits, so they stay in the CPU's L2 cache through the passes over them and the
+#: step's transient memory stays small however many blocks a chunk holds; never fewer than
+#: :data:`MIN_TILE_ROWS` rows.
 TILE_ELEMENTS = 1 << 18
 #: Each tile's GEMM passes over the whole head, so a tile has at least this many rows to amortise that.
 MIN_TILE_ROWS = 128
 
 
-def block_tiles(batch: int, blocks: int, block_size: int, vocab: int,
-                chunk_blocks: int) -> list[tuple[slice, slice]]:
-    """``(samples, blocks)`` slices tiling ``[batch, blocks]`` whole blocks: at most ``chunk_blocks`` blocks of a
-    sample per tile, and about :data:`TILE_ELEMENTS` logits (``rows * vocab``; ``rows`` = samples x blocks x
-    ``block_size``) unless a single block is wider, at least :data:`MIN_TILE_ROWS` rows where there are that
-    many. Tiles cover every block once, block ranges outermost."""
+def block_tiles(batch: int, blocks: int, block_size: int, vocab: int, chunk_blocks: int, *,
+                cache_sized: bool = True) -> list[tuple[slice, slice]]:
+    """``(samples, blocks)`` slices tiling ``[batch, blocks]`` whole blocks, block ranges outermost, every block
+    once: at most ``chunk_blocks`` blocks of a sample per tile and, ``cache_sized`` (on CPU), about
+    :data:`TILE_ELEMENTS` logits (``rows * vocab``, ``rows`` = samples x blocks x ``block_size``) unless a
+    single block is wider, at least :data:`MIN_TILE_ROWS` rows where there are that many. Without
+    ``cache_sized`` (CUDA, whose GEMMs want many rows and whose caches are not the point) a tile is every
+    sample's ``chunk_blocks`` blocks."""
+    if not cache_sized:
+        return [(slice(0, batch), slice(start, min(start + chunk_blocks, blocks)))
+                for start in range(0, blocks, chunk_blocks)]
     rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // max(1, vocab))
     per_sample = max(1, min(chunk_blocks, rows // block_size))
     samples = max(1, rows // (per_sample * block_size))
@@ -137,7 +143,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         batch, blocks, bs, width = hidden.shape
         vocab = head.shape[0]
         grads = ctx.needs_input_grad[0]
-        tiles = block_tiles(batch, blocks, bs, vocab, chunk_blocks)
+        tiles = block_tiles(batch, blocks, bs, vocab, chunk_blocks, cache_sized=hidden.device.type == "cpu")
         most = max((samples.stop - samples.start) * (part.stop - part.start) * bs for samples, part in tiles)
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)  # the logits' dtype, as DFlashBackbone.logits gives them
@@ -183,7 +189,7 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     """``Σ w·CE`` of the logits ``hidden [B, N, bs, H] @ head [V, H]^T`` against ``labels [B, N, bs]``, and the
     argmax predictions ``[B, N, bs]``: what :func:`chunked_cross_entropy` gives for a frozen head, fused.
 
-    Per tile of whole blocks (:func:`block_tiles`: at most ``chunk_blocks`` blocks of a sample, about
+    Per tile of whole blocks (:func:`block_tiles`: at most ``chunk_blocks`` blocks of a sample, on CPU about
     :data:`TILE_ELEMENTS` logits) the logits are computed into one buffer reused by every tile, and
     their logsumexp, the label's logit, the argmax and — under autograd — the gradient
     ``w (softmax - onehot) head`` for ``hidden`` run while they are in cache, with one exp per logit.

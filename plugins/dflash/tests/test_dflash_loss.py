@@ -168,6 +168,9 @@ def test_block_tiles_cover_every_block_once_within_the_chunk_and_the_logit_budge
     # a block wider than a tile's rows is a tile of its own
     assert spans(block_tiles(2, 2, 300, 49152, 16)) == [((0, 1), (0, 1)), ((1, 2), (0, 1)),
                                                         ((0, 1), (1, 2)), ((1, 2), (1, 2))]
+    # CUDA: every sample's chunk of blocks, however large the vocabulary
+    assert spans(block_tiles(2, 5, 4, 49152, 2, cache_sized=False)) == [((0, 2), (0, 2)), ((0, 2), (2, 4)),
+                                                                        ((0, 2), (4, 5))]
     for batch, blocks, bs, vocab, chunk in [(3, 7, 5, 100000, 3), (5, 9, 2, 7, 4), (1, 1, 1, 1, 1)]:
         tiles = block_tiles(batch, blocks, bs, vocab, chunk)
         seen = torch.zeros(batch, blocks, dtype=torch.long)

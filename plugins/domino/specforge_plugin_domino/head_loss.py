@@ -69,7 +69,8 @@ class _DualHead(torch.autograd.Function):
                 labels: torch.Tensor, weights: torch.Tensor, weighting: LossWeighting | None, start: int,
                 lam: float):
         width, rank, bs = hidden.shape[-1], activation.shape[-1], labels.shape[-1]
-        tiles = block_tiles(*labels.shape, head.shape[0], labels.shape[1])  # whole blocks, about TILE_ELEMENTS logits
+        tiles = block_tiles(*labels.shape, head.shape[0], labels.shape[1],  # whole blocks, on CPU cache-sized
+                            cache_sized=hidden.device.type == "cpu")
         most = max((samples.stop - samples.start) * (part.stop - part.start) for samples, part in tiles) * bs
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)

@@ -72,7 +72,8 @@ class _Distillation(torch.autograd.Function):
                 teacher_hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 weighting: LossWeighting | None, ce_alpha: float, l1_alpha: float):
         shape, width, rank = labels.shape, hidden.shape[-1], embedding.shape[-1]
-        tiles = block_tiles(*shape, head.shape[0], shape[1])  # whole blocks, about TILE_ELEMENTS logits each
+        tiles = block_tiles(*shape, head.shape[0], shape[1],  # whole blocks, on CPU cache-sized
+                            cache_sized=hidden.device.type == "cpu")
         most = max((samples.stop - samples.start) * (part.stop - part.start) for samples, part in tiles) * shape[2]
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)
