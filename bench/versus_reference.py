@@ -77,8 +77,9 @@ KERNELS = {
                            "cuda": "step-0 scores by cuBLAS matmul plus an additive causal bias built once per batch, "
                                    "diagonal keys as row-wise dot products"},
         "ours_loss": {"cpu": "the vocabulary head fused with the soft cross-entropy (specforge_plugin_eagle3."
-                             "head_loss): supervised rows only, in chunks whose logits stay in cache (one exp per "
-                             "logit, argmax from the same max pass), gradients by two GEMMs in forward; no [B, S, Vd] "
+                             "head_loss): supervised rows only, in chunks whose logits stay in cache (the maximum and "
+                             "argmax by a vectorised search over blocks, specforge_core.nn.max_last; torch's softmax "
+                             "kernel in place, one exp per logit), gradients by two GEMMs in forward; no [B, S, Vd] "
                              "tensor kept for backward",
                       "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per chunk)"},
         "reference_attention": {"cpu": "matmul scores, masked_fill with the dense S x S mask every step",

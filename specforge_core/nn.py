@@ -170,11 +170,58 @@ def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: tor
         grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
+#: Entries per block of :func:`max_last`'s search.
+MAX_BLOCK = 64
+
+
+def max_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the maximum along the last dimension, the first of equal maxima, as
+    ``x.max(-1)`` gives them (NaN counts as the largest).
+
+    On CPU, ``max`` with indices runs a scalar loop over the row, while ``amax`` is vectorised:
+    for float32 and float64 rows of at least ``2 * MAX_BLOCK`` the maximum of each block of
+    :data:`MAX_BLOCK` entries comes from ``amax``, and only the first block holding the row's
+    maximum is searched for its index (256 rows of 4096 float32 logits: 0.20 ms instead of 0.87;
+    128 rows of 49152: 0.99 instead of 5.2). Half precision, whose ``amax`` is not vectorised,
+    short rows and other devices take ``max`` as it is.
+    """
+    n = x.shape[-1]
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or n < 2 * MAX_BLOCK:
+        found = x.max(-1)
+        return found.values, found.indices
+    rows = x.reshape(-1, n)
+    whole = n - n % MAX_BLOCK
+    blocks = rows[:, :whole].unflatten(-1, (whole // MAX_BLOCK, MAX_BLOCK))  # [R, n // MAX_BLOCK, MAX_BLOCK]
+    best = blocks.amax(-1).max(-1)  # the row's maximum and the first block that holds it
+    inner = blocks.gather(1, best.indices[:, None, None].expand(-1, 1, MAX_BLOCK)).squeeze(1).max(-1).indices
+    values, indices = best.values, best.indices * MAX_BLOCK + inner
+    if whole < n:  # the last n % MAX_BLOCK entries: they win only when strictly larger (or the first NaN)
+        tail = rows[:, whole:].max(-1)
+        later = (tail.values > values) | (tail.values.isnan() & ~values.isnan())
+        values = torch.where(later, tail.values, values)
+        indices = torch.where(later, tail.indices + whole, indices)
+    return values.view(x.shape[:-1]), indices.view(x.shape[:-1])
+
+
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """The index of the largest entry along the last dimension (the first of equal maxima), as
-    ``x.argmax(-1)`` gives it: ``max``'s indices, which on CPU in half precision come several times
-    faster (one bf16 row of 49152 logits: 0.05 ms instead of 0.18; eight rows 0.34 instead of 1.42)."""
-    return x.max(-1).indices
+    ``x.argmax(-1)`` gives it: :func:`max_last`'s indices. ``max``'s indices, which it falls back to, come
+    several times faster than ``argmax`` on CPU in half precision (one bf16 row of 49152 logits: 0.05 ms
+    instead of 0.18; eight rows 0.34 instead of 1.42)."""
+    return max_last(x)[1]
+
+
+def softmax_last_(x: torch.Tensor) -> torch.Tensor:
+    """``x`` overwritten with its softmax over the last dimension; returns ``x``.
+
+    One pass of torch's softmax kernel, which on CPU is faster than the written-out ``exp(x - max) / sum``
+    (256 rows of 4096 float32: 0.60 ms instead of 1.0): on CPU it writes into ``x`` itself, as its
+    kernel reads each row before writing it (the result is ``torch.softmax``'s bit for bit; tested); on
+    other devices, or for a non-contiguous ``x``, into a new tensor copied back.
+    """
+    if x.device.type == "cpu" and x.is_contiguous():
+        return torch.ops.aten._softmax.out(x, -1, False, out=x)
+    return x.copy_(torch.softmax(x, dim=-1))
 
 
 def in_float32(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge_core.hfconfig import config_value, rope_theta
-from specforge_core.nn import (RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear, rms_norm,
-                               rope_cos_sin)
+from specforge_core.nn import (MAX_BLOCK, RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear,
+                               max_last, rms_norm, rope_cos_sin, softmax_last_)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -267,3 +267,40 @@ def test_argmax_last_is_argmax_over_the_last_dimension_the_first_of_equal_maxima
     logits = (torch.randn(8, 49152, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
     assert torch.equal(argmax_last(logits), logits.argmax(-1))
     assert torch.equal(argmax_last(logits.view(2, 4, -1)), logits.view(2, 4, -1).argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("width", [2 * MAX_BLOCK - 1, 2 * MAX_BLOCK, 1000, 4096])  # below the blocks; whole; a tail
+def test_max_last_is_max_over_the_last_dimension_values_and_first_index(dtype, width):
+    logits = (torch.randn(6, width, generator=torch.Generator().manual_seed(width)) * 3).to(dtype)
+    for x in (logits, logits.view(2, 3, width), logits[::2], logits[0]):  # rows, leading dims, strided, one row
+        values, indices = max_last(x)
+        want = x.max(-1)
+        assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
+        assert values.shape == indices.shape == x.shape[:-1]
+
+
+def test_max_last_keeps_the_first_of_equal_maxima_and_nan_across_blocks_and_the_tail():
+    width = 3 * MAX_BLOCK + 5  # three blocks and a tail of 5
+    x = torch.zeros(7, width)
+    x[0, [10, MAX_BLOCK + 3, width - 1]] = 4.0  # equal maxima in a block, a later block and the tail: the first
+    x[1, [MAX_BLOCK + 7, MAX_BLOCK + 9]] = 2.0  # two in one block, not the first
+    x[2, 5], x[2, width - 2] = 1.0, 1.5  # the tail's is strictly larger
+    x[3, [20, width - 3]] = float("nan")  # NaN counts as the largest: the first one
+    x[4, width - 4] = float("nan")  # NaN in the tail only
+    x[5] = float("-inf")  # nothing but -inf: index 0
+    x[6, [2 * MAX_BLOCK, 2 * MAX_BLOCK + 1]] = 9.0
+    indices = max_last(x)[1]
+    assert indices.tolist() == [10, MAX_BLOCK + 7, width - 2, 20, width - 4, 0, 2 * MAX_BLOCK]
+    assert torch.equal(indices, x.max(-1).indices) and torch.equal(argmax_last(x), indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softmax_last_writes_torchs_softmax_into_its_input_bit_for_bit(dtype):
+    x = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    x[0, :100] = float("-inf")
+    want = torch.softmax(x, dim=-1)
+    inplace = x.clone()
+    assert softmax_last_(inplace) is inplace and torch.equal(inplace, want)
+    strided = x.clone().t().contiguous().t()  # not contiguous: a new tensor's result, copied back
+    assert softmax_last_(strided) is strided and torch.equal(strided, want)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specforge_core.nn import argmax_last, upcasts
+from specforge_core.nn import argmax_last, max_last, softmax_last_, upcasts
 
 if TYPE_CHECKING:
     from .dpace import LossWeighting
@@ -89,22 +89,21 @@ def chunked_cross_entropy(logits_fn: LogitsFn, labels: torch.Tensor, weights: to
     return zero + total, predictions
 
 
-def softmax_cross_entropy_terms(z: torch.Tensor,
-                                label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the fused losses, per row of logits ``z [R, V]``: the cross-entropy against ``label [R, 1]``, the
-    argmax and the softmax's denominator ``Σ exp(z - max)``, from one pass for the max and the argmax and one
-    exp per logit. ``z`` is left holding ``exp(z - max)``: with the denominator, the softmax (see
-    :func:`to_logit_gradient`)."""
+def softmax_cross_entropy_terms(z: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the fused losses, per row of logits ``z [R, V]``: the cross-entropy against ``label [R, 1]`` and the
+    argmax, from one pass for the maximum and one softmax pass (one exp per logit). ``z`` is left holding
+    ``softmax(z)`` (see :func:`to_logit_gradient`)."""
     picked = z.gather(-1, label).squeeze(-1)
-    peak, predictions = z.max(dim=-1)
-    mass = z.sub_(peak[:, None]).exp_().sum(-1)
-    return peak + mass.log() - picked, predictions, mass
+    peak, predictions = max_last(z)
+    softmax = softmax_last_(z)
+    # logsumexp = max - log softmax(z)[argmax], as softmax there is exp(max - logsumexp)
+    return peak - softmax.gather(-1, predictions[:, None]).squeeze(-1).log() - picked, predictions
 
 
-def to_logit_gradient(z: torch.Tensor, mass: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``w (softmax - onehot(label))``, the gradient of ``Σ w·CE`` for the logits, in ``z``'s buffer, from what
-    :func:`softmax_cross_entropy_terms` left there and its denominator ``mass``; ``w [R]`` per row."""
-    return z.mul_(w[:, None] / mass[:, None]).scatter_add_(-1, label, -w[:, None])
+def to_logit_gradient(z: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w (softmax - onehot(label))``, the gradient of ``Σ w·CE`` for the logits, in ``z``'s buffer, which
+    :func:`softmax_cross_entropy_terms` left holding the softmax; ``w [R]`` per row."""
+    return z.mul_(w[:, None]).scatter_add_(-1, label, -w[:, None])
 
 
 #: Logits per tile of the fused losses on CPU (1 MiB of float32): a chunk of blocks is cut into tiles of whole
@@ -163,13 +162,13 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
                 z.copy_(torch.mm(rows, head_g.t(), out=narrow[:rows.shape[0]]))
             tile_labels = labels[samples, part]
             label = tile_labels.reshape(-1, 1)
-            ce, ids, mass = softmax_cross_entropy_terms(z, label)  # z now holds exp(z - max)
+            ce, ids = softmax_cross_entropy_terms(z, label)  # z now holds softmax(z)
             ce = ce.view(tile_labels.shape)
             w = weights[samples, part] if weighting is None else weighting.reweight(ce, weights[samples, part])
             total += (w * ce).sum()
             predictions[samples, part] = ids.view(ce.shape)
             if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the tile is in cache
-                dz = to_logit_gradient(z, mass, label, w.reshape(-1).to(acc))
+                dz = to_logit_gradient(z, label, w.reshape(-1).to(acc))
                 if narrow is not None:
                     dz = narrow[:rows.shape[0]].copy_(dz)
                 grad_hidden[samples, part] = (dz @ head_g).view(grad_hidden[samples, part].shape)

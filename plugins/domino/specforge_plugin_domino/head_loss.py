@@ -95,8 +95,8 @@ class _DualHead(torch.autograd.Function):
             label = tile_labels.reshape(-1, 1)
             label_s = tile_labels[..., start:].reshape(-1, 1)
             base, final = base.view(rows, -1), final.view(label_s.shape[0], -1)  # the same buffers, rows of logits
-            tile_base_ce, tile_base_pred, base_mass = softmax_cross_entropy_terms(base, label)
-            final_ce_s, final_pred_s, final_mass = softmax_cross_entropy_terms(final, label_s)
+            tile_base_ce, tile_base_pred = softmax_cross_entropy_terms(base, label)  # base, final: now softmaxes
+            final_ce_s, final_pred_s = softmax_cross_entropy_terms(final, label_s)
             tile_base_ce, tile_base_pred = tile_base_ce.view(tile), tile_base_pred.view(tile)
             tile_final_ce = torch.cat([tile_base_ce[..., :start], final_ce_s.view(suffix_shape)], dim=-1)
             base_ce[samples, part], final_ce[samples, part] = tile_base_ce, tile_final_ce
@@ -110,9 +110,8 @@ class _DualHead(torch.autograd.Function):
             if any(needed[:3]):
                 coefficient = lam * wb.to(acc)
                 coefficient[..., :start] += (1.0 - lam) * wf[..., :start].to(acc)
-                d_final = to_logit_gradient(final, final_mass, label_s,
-                                            (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
-                d_base = to_logit_gradient(base, base_mass, label, coefficient.reshape(-1))
+                d_final = to_logit_gradient(final, label_s, (1.0 - lam) * wf[..., start:].reshape(-1).to(acc))
+                d_base = to_logit_gradient(base, label, coefficient.reshape(-1))
                 d_base.view(*tile, -1)[:, :, start:] += d_final.view(*suffix_shape, -1)
                 d_final_g = d_final.to(gemm)
                 if grad_h is not None:

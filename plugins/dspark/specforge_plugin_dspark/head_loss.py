@@ -97,8 +97,8 @@ class _Distillation(torch.autograd.Function):
             teacher = torch.softmax((teacher_hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
                                      @ head_g.t()).to(acc), dim=-1)
             label = labels[samples, part].reshape(rows, 1)
-            tile_ce, tile_predictions, mass = softmax_cross_entropy_terms(z, label)
-            p = z.div_(mass[:, None])  # z now holds the draft's softmax
+            tile_ce, tile_predictions = softmax_cross_entropy_terms(z, label)
+            p = z  # z now holds the draft's softmax
             tile_ce = tile_ce.view(tile)
             sign = teacher.neg_().add_(p)  # p - t, in the teacher's buffer
             tile_l1 = sign.abs().sum(-1).view(tile)
