@@ -194,7 +194,8 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     ``w (softmax - onehot) head`` for ``hidden`` run while they are in cache, with one exp per logit.
     What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits, and nothing is
     recomputed. ``head`` gets no gradient (DFlash's is the target's frozen lm_head). ``weighting``
-    (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold whole blocks. Logits are float32 (float64 for a float64 head), as
+    (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold whole blocks.
+    Logits are float32 (float64 for a float64 head), as
     :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
     runs its GEMMs in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`).
     """

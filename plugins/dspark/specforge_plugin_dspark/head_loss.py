@@ -79,14 +79,15 @@ class _Distillation(torch.autograd.Function):
         acc = torch.promote_types(gemm, torch.float32)
         head_g, w2_g = head.to(gemm), w2.to(gemm)
         grads_needed = any(ctx.needs_input_grad[:3])
-        ce, l1 = torch.empty(shape, dtype=acc, device=hidden.device), torch.empty(shape, dtype=acc, device=hidden.device)
+        ce, l1 = (torch.empty(shape, dtype=acc, device=hidden.device) for _ in range(2))
         w = torch.empty(shape, dtype=weights.dtype, device=hidden.device)
         predictions = torch.empty(shape, dtype=torch.long, device=hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
             if grads_needed and ctx.needs_input_grad[0] else None
         grad_e = torch.empty(embedding.shape, dtype=embedding.dtype, device=hidden.device) \
             if grads_needed and ctx.needs_input_grad[1] else None
-        grad_w2 = torch.zeros(w2.shape, dtype=acc, device=w2.device) if grads_needed and ctx.needs_input_grad[2] else None
+        grad_w2 = torch.zeros(w2.shape, dtype=acc, device=w2.device) \
+            if grads_needed and ctx.needs_input_grad[2] else None
         for samples, part in tiles:
             tile = labels[samples, part].shape
             rows = tile.numel()
@@ -103,7 +104,9 @@ class _Distillation(torch.autograd.Function):
             sign = teacher.neg_().add_(p)  # p - t, in the teacher's buffer
             tile_l1 = sign.abs().sum(-1).view(tile)
             sign.sign_()
-            tile_w = weights[samples, part] if weighting is None else weighting.reweight(tile_ce, weights[samples, part])
+            tile_w = weights[samples, part]
+            if weighting is not None:
+                tile_w = weighting.reweight(tile_ce, tile_w)
             ce[samples, part], l1[samples, part], w[samples, part] = tile_ce, tile_l1, tile_w
             predictions[samples, part] = tile_predictions.view(tile)
             if grads_needed:
