@@ -224,6 +224,16 @@ def softmax_last_(x: torch.Tensor) -> torch.Tensor:
     return x.copy_(torch.softmax(x, dim=-1))
 
 
+def softmax_logsumexp_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logsumexp, argmax)`` over the last dimension of ``z``, leaving ``z`` holding its softmax
+    (:func:`softmax_last_`): the maximum and argmax from :func:`max_last`, one softmax pass (one exp per
+    entry), and ``logsumexp = max - log softmax[argmax]``, since the softmax there is ``exp(max - logsumexp)``
+    (at least ``1 / n``, so its log is finite). What the fused cross-entropies take from their logits."""
+    peak, ids = max_last(z)
+    softmax = softmax_last_(z)
+    return peak - softmax.gather(-1, ids[..., None]).squeeze(-1).log(), ids
+
+
 def in_float32(x: torch.Tensor) -> torch.Tensor:
     """Half precision as a float32 copy, float32 and float64 as they are: where a computation made of several
     steps (attention merged from several kernel calls, a norm's statistic) runs in float32 and rounds its

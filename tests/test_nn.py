@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.nn import (MAX_BLOCK, RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear,
-                               max_last, rms_norm, rope_cos_sin, softmax_last_)
+                               max_last, rms_norm, rope_cos_sin, softmax_last_, softmax_logsumexp_)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -304,3 +304,14 @@ def test_softmax_last_writes_torchs_softmax_into_its_input_bit_for_bit(dtype):
     assert softmax_last_(inplace) is inplace and torch.equal(inplace, want)
     strided = x.clone().t().contiguous().t()  # not contiguous: a new tensor's result, copied back
     assert softmax_last_(strided) is strided and torch.equal(strided, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softmax_logsumexp_gives_logsumexp_and_argmax_and_leaves_the_softmax(dtype):
+    z = (torch.randn(6, 1000, generator=torch.Generator().manual_seed(2)) * 5).to(dtype)
+    z[1, 10] = z[1, 900] = 40.0  # equal maxima: the first
+    z[2, :500] = float("-inf")
+    lse, ids = softmax_logsumexp_(work := z.clone())
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+    assert torch.equal(ids, z.argmax(-1)) and ids[1].item() == 10
+    assert torch.equal(work, torch.softmax(z, -1))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specforge_core.nn import argmax_last, max_last, softmax_last_, upcasts
+from specforge_core.nn import argmax_last, softmax_logsumexp_, upcasts
 
 if TYPE_CHECKING:
     from .dpace import LossWeighting
@@ -94,10 +94,8 @@ def softmax_cross_entropy_terms(z: torch.Tensor, label: torch.Tensor) -> tuple[t
     argmax, from one pass for the maximum and one softmax pass (one exp per logit). ``z`` is left holding
     ``softmax(z)`` (see :func:`to_logit_gradient`)."""
     picked = z.gather(-1, label).squeeze(-1)
-    peak, predictions = max_last(z)
-    softmax = softmax_last_(z)
-    # logsumexp = max - log softmax(z)[argmax], as softmax there is exp(max - logsumexp)
-    return peak - softmax.gather(-1, predictions[:, None]).squeeze(-1).log() - picked, predictions
+    lse, predictions = softmax_logsumexp_(z)
+    return lse - picked, predictions
 
 
 def to_logit_gradient(z: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specforge_core.nn import Linear, max_last, softmax_last_, upcasts
+from specforge_core.nn import Linear, softmax_logsumexp_, upcasts
 
 #: Elements of one chunk's float32 logits (4 MiB): rows per chunk = this / Vd, at least MIN_CHUNK_ROWS.
 CHUNK_ELEMENTS = 1 << 20
@@ -79,15 +79,12 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                 z.copy_(x_g[start:end] @ w_g.t())
             p_c, w_c = p[start:end].to(acc), row_weight[start:end].to(acc)
             dot = torch.linalg.vecdot(p_c, z)  # p . z, before z is overwritten
-            peak, ids = max_last(z)  # the argmax, and the maximum for the logsumexp
-            draft[start:end] = ids
-            softmax = softmax_last_(z)  # z now holds softmax(z): one exp per logit
-            # logsumexp = max - log softmax(z)[argmax], as softmax there is exp(max - logsumexp)
-            total += ((peak - softmax.gather(-1, ids[:, None]).squeeze(-1).log() - dot) * w_c).sum()
+            lse, draft[start:end] = softmax_logsumexp_(z)  # z now holds softmax(z): one exp per logit
+            total += ((lse - dot) * w_c).sum()
             if grads:  # dz = w (softmax - p), in place
-                softmax.sub_(p_c).mul_(w_c[:, None])
+                z.sub_(p_c).mul_(w_c[:, None])
                 if scratch is not None:
-                    dz[start:end] = softmax
+                    dz[start:end] = z
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = (dz @ w_g).to(x.dtype)

@@ -124,10 +124,10 @@ def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> UnrollWindow
     first = torch.where(position_mask, positions, s).amin(1)
     last = torch.where(position_mask, positions, -1).amax(1)
     first_last = torch.stack([first, last], 1).tolist()  # the one host sync
-    spans = [(max(0, f - (ttt_length - 1)), l) for f, l in first_last if l >= 0]  # (window start, last)
+    starts = [max(0, f - (ttt_length - 1)) if l >= 0 else 0 for f, l in first_last]
+    spans = [(start, l) for start, (_, l) in zip(starts, first_last) if l >= 0]  # (window start, last)
     if not spans:
         return None
-    starts = [max(0, f - (ttt_length - 1)) if l >= 0 else 0 for f, l in first_last]
     lows = [lo for lo, _ in spans]
     widths = [s] + [max(1, max(l - k + 1 - lo for lo, l in spans)) for k in range(1, ttt_length)]
     if ttt_length > 1:
