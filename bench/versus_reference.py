@@ -5,7 +5,8 @@ batch: dense boolean masks (EAGLE3: an S x S causal mask filled into the scores 
 unroll step, plus the diagonal keys; the DFlash family: one ``[N*bs, S + N*bs]`` mask for
 SDPA over ``[context ; blocks]``), full-vocabulary logits materialised at once, a full
 ``log_softmax`` in the loss and the per-step metrics over whole distributions. The path
-under test is the strategy's own ``forward_loss``. Both run backward and an AdamW step.
+under test is the strategy's own ``forward_loss``. Both run backward and an AdamW step: ours on
+torch's fused AdamW kernel, as the trainer builds it, the reference with AdamW's defaults.
 
 The two paths run in two worker processes (one torch thread each) that step in turn,
 alternating which goes first, so load from other processes hits both alike; each pair
@@ -104,6 +105,11 @@ KERNELS = {
     },
 }
 
+#: The optimizer step of each path (both AdamW, lr 1e-4, on the same parameters).
+OPTIMIZER = {"ours": {"cpu": "AdamW on torch's fused kernel, one call per parameter, as the trainer builds it "
+                             "(specforge_core.training.optim.fused_adamw)", "cuda": "the same"},
+             "reference": {"cpu": "torch.optim.AdamW with its defaults: the for-loop form, about ten elementwise ops "
+                                  "per parameter", "cuda": "torch.optim.AdamW with its defaults: foreach kernels"}}
 
 # -- building the same model and batch in each worker ------------------------------------------------------------
 
@@ -352,11 +358,16 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     import torch
 
     from specforge_core.contracts import StepContext
+    from specforge_core.training.optim import fused_adamw
 
     torch.set_num_threads(1)
     strategy, model, batch, tokens = build(name, dtype_name, args, compile=args.compile and path == "ours")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    if path == "ours" or args.reference == "eager":
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainer_optimizer = path == "ours" or args.reference == "eager"
+    # ours steps with the optimizer the trainer builds (the fused AdamW kernel); the textbook with AdamW's defaults
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if trainer_optimizer and fused_adamw(params)
+                                                      else {}))
+    if trainer_optimizer:
         def loss_of(step: int):
             return strategy.forward_loss(model, batch, StepContext(global_step=step, total_steps=1000)).loss
     else:
@@ -412,12 +423,13 @@ def kernels(family: str, args: argparse.Namespace) -> dict:
     linears = KERNELS["linears"]
     linears = {**linears, "ours": {**linears["ours"], "cpu": linears["ours"]["cpu"] + _HALF[upcast]},
                "reference": {**linears["reference"], "cpu": linears["reference"]["cpu"] + _HALF_REFERENCE[upcast]}}
-    described = {**KERNELS[family], "linears": linears}
+    described = {**KERNELS[family], "linears": linears, "optimizer": OPTIMIZER}
     if args.compile:
         described["ours_layers"] = {"cpu": "torch.compile (inductor C++ kernels) around the eager attention",
                                     "cuda": "torch.compile (inductor Triton kernels) around the eager attention"}
     if args.reference == "eager":
         described = {key: value for key, value in described.items() if not key.startswith("reference")}
+        described["optimizer"] = {"ours": OPTIMIZER["ours"], "reference": OPTIMIZER["ours"]}
         described["reference"] = "ours, every layer eager"
     elif args.reference == "compiled":
         described["reference_compiled"] = {"cpu": "the whole textbook step under torch.compile: inductor C++ kernels "

@@ -9,7 +9,7 @@ import torch
 from specforge_core.config import TrainOptions
 from specforge_core.training.checkpoint import CheckpointError, CheckpointManager, check_contract
 from specforge_core.training.distributed import DistInfo
-from specforge_core.training.optim import MasterWeightAdamW, build_optimizer, lr_factor
+from specforge_core.training.optim import MasterWeightAdamW, build_optimizer, fused_adamw, lr_factor
 
 
 def test_warmup_then_cosine_schedule_values():
@@ -47,6 +47,43 @@ def test_bf16_parameters_get_fp32_master_weights_that_keep_small_updates():
     assert torch.allclose(master, reference.weight, atol=1e-6)
     assert master.dtype == torch.float32 and low.weight.dtype == torch.bfloat16
     assert torch.equal(low.weight, master.to(torch.bfloat16))
+
+
+def test_float32_parameters_take_the_fused_adamw_with_the_for_loop_updates():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    reference.load_state_dict(model.state_dict())
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    opt = build_optimizer(model, TrainOptions(lr=1e-2, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["fused"] is True
+    assert not ref_opt.param_groups[0]["fused"] and not ref_opt.param_groups[0]["foreach"]  # the for-loop form
+    x, y = torch.randn(32, 8), torch.randn(32, 3)
+    for _ in range(30):
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+    with torch.no_grad():
+        for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+            assert float((mine - start[name]).abs().max()) > 0.05  # 30 steps of lr 1e-2 moved every parameter
+            assert float((mine - theirs).abs().max()) < 1e-6
+    assert float(opt.state[model[0].weight]["step"]) == 30.0
+
+
+def test_bf16_master_weights_take_the_fused_adamw():
+    low = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    opt = build_optimizer(low, TrainOptions(lr=1e-4))
+    assert isinstance(opt, MasterWeightAdamW) and opt.param_groups[0]["fused"] is True
+
+
+def test_fused_adamw_only_for_floating_parameters_on_one_supported_device_type():
+    assert fused_adamw([torch.zeros(2), torch.zeros(3, dtype=torch.float64), torch.zeros(1, dtype=torch.bfloat16)])
+    assert not fused_adamw([torch.zeros(2), torch.zeros(2, device="meta")])  # two device types
+    assert not fused_adamw([torch.zeros(2, device="meta")])  # no fused kernel there
+    assert not fused_adamw([torch.zeros(2), torch.zeros(2, dtype=torch.int64)])
+    assert not fused_adamw([])
 
 
 def _save(manager, step, best=False):
