@@ -3,7 +3,8 @@
 The gates are PyTorch's (r, z, n in that order, as in ``weight_ih_l0`` / ``weight_hh_l0``)::
 
     gi_t = W_ih x_t                          one GEMM over all T steps at once: [T·M, H] x [H, 3g]
-    gh_t = W_hh h_{t-1}                      one [M, g] x [g, 3g] GEMM per step (none at t = 0 from zeros)
+    gh_t = W_hh h_{t-1}                      per step (none at t = 0 from zeros): r and z's rows added onto
+                                             gi_t by the GEMM itself (addmm), n's apart (it is kept)
     r, z = σ(gi_r + gh_r), σ(gi_z + gh_z)
     n    = tanh(gi_n + r ⊙ gh_n)
     h_t  = n + z ⊙ (h_{t-1} − n)             = (1 − z) ⊙ n + z ⊙ h_{t-1}
@@ -12,7 +13,10 @@ On CPU, autograd through ``nn.GRU`` records every step's cell ops and computes t
 gradients a step at a time, ``T`` GEMMs with ``K = M`` each. :class:`FusedGRU` keeps the
 activations it needs (``r, z, n, gh_n``, time-major so every step's rows are contiguous) and
 runs backward by hand: one ``[M, 3g] x [3g, g]`` GEMM per step for the state's gradient, then
-each weight gradient as one GEMM over all steps (``K = T·M``) and the input gradient as one.
+each weight gradient as one GEMM over all steps (``K = T·M``) and the input gradient as one; the
+gates' derivatives are torch's own ``tanh_backward`` and ``sigmoid_backward``, and ``h_t`` a ``lerp``
+(the bench's Domino GRU, 64 sequences of 15 steps, H 128, g 512, forward and backward in float32: 74 ms
+instead of 80 with the ops written out one by one).
 A sequence that starts from zeros skips the first step's ``W_hh`` GEMM in both directions.
 The gate arithmetic and the state run in float32 (float64 for float64 inputs); the GEMMs run
 in the weights' dtype, or in float32 for half precision on CPUs without bf16 GEMM instructions
@@ -43,7 +47,14 @@ class _Precision:
 
 class _GRUSequence(torch.autograd.Function):
     """``x [T, M, H]`` (time-major), ``w_ih [3g, H]``, ``w_hh [3g, g]``, ``h0 [M, g]`` or None (zeros) -> the state
-    after every step, ``[T, M, g]`` in x's dtype."""
+    after every step, ``[T, M, g]`` in x's dtype.
+
+    Backward writes each step's gate gradients into one ``[T, M, 4g]`` buffer ordered ``n | r | z | gh_n``, so
+    that both weights' operands are strided views of it, in the order GEMMs want them: ``n | r | z``
+    (the first ``3g`` columns) for ``W_ih`` (whose rows are then taken as ``n, r, z``), and ``r | z | gh_n``
+    (the last ``3g``) for ``W_hh`` in its own row order, one GEMM each for the state's gradient per
+    step and for each weight's over all steps.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor | None) -> torch.Tensor:
@@ -55,7 +66,8 @@ class _GRUSequence(torch.autograd.Function):
         gi = prec.mm(x.view(-1, width), w_ih_g.t()).view(steps, rows, 3 * g)
         out = gi.new_empty(steps, rows, g)
         rz_all, n_all = gi.new_empty(steps, rows, 2 * g), gi.new_empty(steps, rows, g)
-        ghn_all = gi.new_zeros(steps, rows, g)  # gh_n; zero where the state before is zeros (no GEMM)
+        ghn_all = gi.new_empty(steps, rows, g)  # gh_n, of the steps with a state before them (no GEMM from zeros)
+        w_rz, w_n = w_hh_g[:2 * g].to(prec.acc).t(), w_hh_g[2 * g:].to(prec.acc).t()  # the state runs in acc
         h = None if h0 is None else h0.to(prec.acc)
         for t in range(steps):
             gi_t, rz, n = gi[t], rz_all[t], n_all[t]
@@ -64,12 +76,10 @@ class _GRUSequence(torch.autograd.Function):
                 torch.tanh(gi_t[:, 2 * g:], out=n)
                 torch.addcmul(n, rz[:, g:], n, value=-1, out=out[t])
             else:
-                gh = prec.mm(h, w_hh_g.t())  # [M, 3g]
-                torch.add(gi_t[:, :2 * g], gh[:, :2 * g], out=rz).sigmoid_()
-                ghn = ghn_all[t]
-                ghn.copy_(gh[:, 2 * g:])
-                torch.addcmul(gi_t[:, 2 * g:], rz[:, :g], ghn, out=n).tanh_()
-                torch.addcmul(n, rz[:, g:], h - n, out=out[t])
+                torch.addmm(gi_t[:, :2 * g], h, w_rz, out=rz).sigmoid_()  # r, z = σ(gi + W_hh h)
+                torch.mm(h, w_n, out=ghn_all[t])
+                torch.addcmul(gi_t[:, 2 * g:], rz[:, :g], ghn_all[t], out=n).tanh_()
+                torch.lerp(n, h, rz[:, g:], out=out[t])  # n + z (h - n)
             h = out[t]
         ctx.save_for_backward(x, w_ih_g, w_hh_g, None if h0 is None else h0.to(prec.acc), out, rz_all, n_all,
                               ghn_all)
@@ -83,45 +93,49 @@ class _GRUSequence(torch.autograd.Function):
         prec = ctx.prec
         steps, rows, g = out.shape
         grad_out = grad_out.to(prec.acc)
-        # each gate's pre-activation gradient: r and z (the same on both sides), n on the input side (d_n)
-        # and r ⊙ d_n on the state side (d_ghn)
-        d_rz = out.new_empty(steps, rows, 2 * g)
-        d_n, d_ghn = out.new_empty(steps, rows, g), out.new_empty(steps, rows, g)
-        dh = None  # the gradient reaching h_t from later steps
+        w_state = w_hh.to(prec.acc)
+        grads = out.new_empty(steps, rows, 4 * g)  # per step: d n | d r | d z (pre-activations) | d gh_n
+        d = grad_out[steps - 1]  # the gradient reaching h_t: its own and, through the later steps, theirs
+        dh0 = None
         for t in reversed(range(steps)):
-            d = grad_out[t] if dh is None else grad_out[t] + dh
-            r, z, n = rz_all[t, :, :g], rz_all[t, :, g:], n_all[t]
+            rz, n = rz_all[t], n_all[t]
+            step = grads[t]
             h_prev = out[t - 1] if t > 0 else h0
-            dn = torch.addcmul(d, d, z, value=-1)  # d (1 - z)
-            dn.mul_(torch.addcmul(torch.ones_like(n), n, n, value=-1))  # ... (1 - n²)
-            d_n[t] = dn
-            dz = d * (h_prev - n) if h_prev is not None else -(d * n)
-            d_rz[t, :, g:] = dz.mul_(z).mul_(1 - z)
-            if h_prev is None:  # the first step from zeros: gh was 0, nothing flows to W_hh or further back
-                d_rz[t, :, :g] = 0
-                d_ghn[t] = 0
-                dh = None
+            dn, drz, dghn = step[:, :g], step[:, g:3 * g], step[:, 3 * g:]
+            torch.ops.aten.tanh_backward.grad_input(torch.addcmul(d, d, rz[:, g:], value=-1), n,
+                                                    grad_input=dn)  # d (1 - z) (1 - n²)
+            if h_prev is None:  # the first step from zeros: h = (1 - z) n, gh was 0, nothing flows further back
+                torch.mul(d, n, out=drz[:, g:]).neg_()
+                drz[:, :g] = 0
+                dghn.zero_()
+            else:
+                torch.mul(dn, ghn_all[t], out=drz[:, :g])
+                torch.sub(h_prev, n, out=drz[:, g:]).mul_(d)
+                torch.mul(dn, rz[:, :g], out=dghn)
+            torch.ops.aten.sigmoid_backward.grad_input(drz, rz, grad_input=drz)  # in place: σ' = σ (1 - σ)
+            if h_prev is None:
                 continue
-            d_rz[t, :, :g] = (dn * ghn_all[t]).mul_(r).mul_(1 - r)
-            torch.mul(dn, r, out=d_ghn[t])
-            dh = d * z + prec.mm(d_rz[t], w_hh[:2 * g]) + prec.mm(d_ghn[t], w_hh[2 * g:])
-        grads: list[torch.Tensor | None] = [None, None, None, None]
-        d_rz_rows, d_n_rows = d_rz.view(-1, 2 * g), d_n.view(-1, g)
+            # the gradient reaching h_{t-1}: its own, the direct path through z, and W_hh's
+            below = grad_out[t - 1] if t > 0 else torch.zeros_like(d)
+            d = torch.addcmul(below, d, rz[:, g:]).addmm_(step[:, g:], w_state)
+            if t == 0:
+                dh0 = d
+        result: list[torch.Tensor | None] = [None, None, None, None]
+        by_input = grads[..., :3 * g].reshape(-1, 3 * g)  # rows of  d n | d r | d z : W_ih's rows as n, r, z
         if ctx.needs_input_grad[0]:
-            dx = prec.mm(d_rz_rows, w_ih[:2 * g]) + prec.mm(d_n_rows, w_ih[2 * g:])
-            grads[0] = dx.view(steps, rows, -1).to(ctx.dtypes[0])
+            w_nrz = torch.cat([w_ih[2 * g:], w_ih[:2 * g]])
+            result[0] = prec.mm(by_input, w_nrz).view(steps, rows, -1).to(ctx.dtypes[0])
         if ctx.needs_input_grad[1]:
-            x_rows = x.view(-1, x.shape[-1])
-            grads[1] = torch.cat([prec.mm(d_rz_rows.t(), x_rows), prec.mm(d_n_rows.t(), x_rows)]).to(ctx.dtypes[1])
+            nrz = prec.mm(by_input.t(), x.view(-1, x.shape[-1]))
+            result[1] = torch.cat([nrz[g:], nrz[:g]]).to(ctx.dtypes[1])  # back to r, z, n
         if ctx.needs_input_grad[2]:
             # every step that had a state before it, at once: [3g, T'·M] x [T'·M, g]
             first = 0 if h0 is not None else 1
             prev = (out[:-1] if h0 is None else torch.cat([h0[None], out[:-1]])).reshape(-1, g)
-            grads[2] = torch.cat([prec.mm(d_rz[first:].reshape(-1, 2 * g).t(), prev),
-                                  prec.mm(d_ghn[first:].reshape(-1, g).t(), prev)]).to(ctx.dtypes[2])
+            result[2] = prec.mm(grads[first:, :, g:].reshape(-1, 3 * g).t(), prev).to(ctx.dtypes[2])
         if h0 is not None and ctx.needs_input_grad[3]:
-            grads[3] = dh.to(ctx.dtypes[3])  # the loop's last dh is the gradient reaching h0
-        return tuple(grads)
+            result[3] = dh0.to(ctx.dtypes[3])
+        return tuple(result)
 
 
 class FusedGRU(nn.GRU):
