@@ -196,6 +196,15 @@ def _linear(module, x):
     return F.linear(x, module.weight, module.bias)
 
 
+def _rope(x, cos, sin):
+    """The rotary embedding written out (rotate-half, in float32), autograd through every op."""
+    import torch
+
+    half = x.shape[-1] // 2
+    xf = x.float()
+    return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
+
+
 def _mlp(mlp, x):
     import torch.nn.functional as F
 
@@ -208,7 +217,7 @@ def eagle3_reference_loss(strategy, model, batch):
     import torch
     import torch.nn.functional as F
 
-    from specforge_core.nn import apply_rope, rope_cos_sin
+    from specforge_core.nn import rope_cos_sin
     from specforge_plugin_eagle3.model import repeat_kv, shift_left
 
     input_ids, loss_mask, attention_mask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
@@ -230,8 +239,8 @@ def eagle3_reference_loss(strategy, model, batch):
     for k in range(strategy.options.ttt_length):
         cos, sin = rope_cos_sin(torch.arange(s) + k, c.head_dim, c.rope_theta)
         x = torch.cat([layer.input_layernorm(model.embed(ids)), layer.hidden_norm(hidden)], -1)
-        q = apply_rope(_linear(attn.q_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
-        key = apply_rope(_linear(attn.k_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
+        q = _rope(_linear(attn.q_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
+        key = _rope(_linear(attn.k_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2), cos, sin)
         value = _linear(attn.v_proj, x).view(b, s, -1, c.head_dim).transpose(1, 2)
         if k == 0:
             k0, v0 = key, value
@@ -261,7 +270,7 @@ def _dense_backbone(model, batch, blocks):
     import torch
     import torch.nn.functional as F
 
-    from specforge_core.nn import apply_rope, rope_cos_sin
+    from specforge_core.nn import rope_cos_sin
     from specforge_plugin_dflash.blocks import block_attention_mask
 
     b, n, bs = blocks.ids.shape
@@ -277,8 +286,8 @@ def _dense_backbone(model, batch, blocks):
     for layer in model.layers:
         attn, h = layer.self_attn, layer.input_layernorm(x)
         kv = torch.cat([ctx, h], 1)
-        q = apply_rope(attn.q_norm(_linear(attn.q_proj, h).view(b, h.shape[1], -1, c.head_dim)), *rope_q)
-        k = apply_rope(attn.k_norm(_linear(attn.k_proj, kv).view(b, kv.shape[1], -1, c.head_dim)), *rope_k)
+        q = _rope(attn.q_norm(_linear(attn.q_proj, h).view(b, h.shape[1], -1, c.head_dim)), *rope_q)
+        k = _rope(attn.k_norm(_linear(attn.k_proj, kv).view(b, kv.shape[1], -1, c.head_dim)), *rope_k)
         v = _linear(attn.v_proj, kv).view(b, kv.shape[1], -1, c.head_dim).transpose(1, 2)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         groups = q.shape[1] // k.shape[1]

@@ -63,6 +63,43 @@ def test_apply_rope_returns_the_input_dtype_and_is_identity_at_position_zero():
     assert out.dtype == torch.bfloat16 and torch.equal(out, x)
 
 
+def _written_out_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_apply_rope_backward_is_the_written_out_forms(dtype):
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = (t[:, :, None] for t in rope_cos_sin(torch.arange(12).view(2, 6) * 7, head_dim=8, theta=100.0))
+    x = torch.randn(2, 6, 3, 8, generator=gen).to(dtype).transpose(1, 2).transpose(1, 2)  # [B, S, heads, d]
+    grad = torch.randn(2, 6, 3, 8, generator=gen).to(dtype)
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out = apply_rope(mine, cos, sin)
+    expected = _written_out_rope(theirs, cos, sin)
+    assert out.dtype == dtype and torch.equal(out, expected)  # the forward is the same ops
+    out.backward(grad)
+    expected.backward(grad)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+    assert mine.grad.dtype == dtype and torch.allclose(mine.grad, theirs.grad, atol=tol, rtol=tol)
+    # the transpose of a rotation is the rotation back: the gradient of a rotated unit vector
+    assert float((mine.grad.double() - _written_out_rope(grad.double(), cos.double(), -sin.double())).abs().max()) \
+        < {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+
+
+def test_apply_rope_checks_gradients_against_float64_finite_differences():
+    cos, sin = rope_cos_sin(torch.tensor([1, 5, 9]), head_dim=4, theta=10.0)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos.double(), sin.double()), (x,))
+
+
+def test_apply_rope_refuses_tables_that_want_a_gradient():
+    cos, sin = rope_cos_sin(torch.tensor([1, 2]), head_dim=4, theta=10.0)
+    with pytest.raises(ValueError, match="cos and sin are position tables and take no gradient"):
+        apply_rope(torch.ones(2, 4, requires_grad=True), cos.requires_grad_(True), sin)
+
+
 def test_rmsnorm_and_swiglu_follow_their_formulas():
     x = torch.tensor([[3.0, 4.0]])
     norm = RMSNorm(2, eps=0.0)
