@@ -164,12 +164,21 @@ def block_attention_mask(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: 
 @attrs.frozen
 class AttentionGroup:
     """Block queries ``start:end`` (of the flattened ``N*bs``), which see context keys ``0:context``
-    and the keys of their own group's blocks; ``mask [B, 1, end-start, context + end-start]`` bool."""
+    and the keys of their own group's blocks (``anchors [B, n]``: the group's blocks, of ``bs`` tokens)."""
 
     start: int
     end: int
     context: int
-    mask: torch.Tensor
+    anchors: torch.Tensor
+    lengths: torch.Tensor  # [B]
+    block_size: int
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, end-start, context + end-start]`` bool (True = attend): :func:`block_attention_mask` cut to
+        the group's keys. Built on first use (the masked kernels; CPU's path takes :attr:`GroupedBlockAttention.
+        context_bias` instead)."""
+        return block_attention_mask(self.anchors, self.lengths, self.context, self.block_size)[:, None]
 
 
 @attrs.frozen
@@ -183,20 +192,27 @@ class GroupedBlockAttention:
     seq_len: int  # S: the context keys precede the block keys
     groups: tuple[AttentionGroup, ...]
     block_size: int  # bs: block b's keys are block_size consecutive block keys
+    visible: torch.Tensor  # [B, N]: how many context keys each block sees, min(anchor, length)
 
     @functools.cached_property
     def context_bias(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:
         """Per group, the context part of its mask as an additive float32 bias ``[B, 1, Qg, context]``
         (0 = visible, -inf = not) and which query rows see no context key ``[B, 1, Qg]``; None for a
-        group with no context. Built once per batch, on first use, and shared by every layer."""
+        group with no context. Built once per batch, on first use, and shared by every layer: one
+        comparison of key positions against each query row's visible count per group."""
+        per_query = self.visible.repeat_interleave(self.block_size, dim=1)  # [B, N*bs]
+        empty = (per_query == 0)[:, None]
+        device = per_query.device
+        keys = torch.arange(max((group.context for group in self.groups), default=0), device=device)
+        seen, unseen = (torch.tensor(value, dtype=torch.float32, device=device) for value in (0.0, float("-inf")))
         parts = []
         for group in self.groups:
             if group.context == 0:
                 parts.append(None)
                 continue
-            visible = group.mask[..., :group.context]
-            bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-            parts.append((bias.masked_fill_(~visible, float("-inf")), ~visible.any(-1)))
+            rows = per_query[:, None, group.start:group.end, None]  # [B, 1, Qg, 1]
+            bias = torch.where(keys[:group.context] < rows, seen, unseen)  # [B, 1, Qg, context]
+            parts.append((bias, empty[..., group.start:group.end]))
         return tuple(parts)
 
 
@@ -213,9 +229,7 @@ def grouped_block_attention(anchors: torch.Tensor, lengths: torch.Tensor, seq_le
     visible = torch.minimum(anchors, lengths[:, None].to(anchors.dtype))  # [B, N]: context keys each block sees
     starts = range(0, anchors.shape[1], blocks_per_group)
     contexts = torch.stack([visible[:, b:b + blocks_per_group].max() for b in starts]).tolist()
-    groups = []
-    for first, context in zip(starts, contexts):
-        last = min(first + blocks_per_group, anchors.shape[1])
-        mask = block_attention_mask(anchors[:, first:last], lengths, context, block_size)[:, None]
-        groups.append(AttentionGroup(first * block_size, last * block_size, context, mask))
-    return GroupedBlockAttention(seq_len, tuple(groups), block_size)
+    groups = tuple(AttentionGroup(first * block_size, min(first + blocks_per_group, anchors.shape[1]) * block_size,
+                                  context, anchors[:, first:first + blocks_per_group], lengths, block_size)
+                   for first, context in zip(starts, contexts))
+    return GroupedBlockAttention(seq_len, groups, block_size, visible)

@@ -34,6 +34,30 @@ def test_one_group_of_all_blocks_is_the_dense_mask_cut_at_the_last_visible_conte
     assert torch.equal(group.mask[:, 0], torch.cat([dense[:, :, :5], dense[:, :, 9:]], dim=-1))
 
 
+@pytest.mark.parametrize("group_blocks", [1, 2, 3])
+def test_context_bias_is_the_masks_context_part_and_flags_rows_that_see_no_context(group_blocks):
+    anchors = torch.tensor([[0, 0, 3, 9, 20], [1, 5, 5, 30, 35], [0, 2, 8, 16, 38]])  # padding blocks at 0
+    lengths = torch.tensor([40, 36, 25])  # row 2 ends before its last anchors
+    pattern = grouped_block_attention(anchors, lengths, 40, 4, blocks_per_group=group_blocks)
+    assert torch.equal(pattern.visible, torch.tensor([[0, 0, 3, 9, 20], [1, 5, 5, 30, 35], [0, 2, 8, 16, 25]]))
+    checked = 0
+    for group, part in zip(pattern.groups, pattern.context_bias):
+        if group.context == 0:
+            assert part is None
+            continue
+        bias, empty = part
+        seen = group.mask[..., :group.context]  # [B, 1, Qg, context]
+        assert bias.dtype == torch.float32 and bias.shape == seen.shape
+        assert torch.equal(bias == 0, seen) and torch.equal(bias == float("-inf"), ~seen)
+        assert torch.equal(empty, ~seen.any(-1))
+        checked += 1
+    assert checked == len(pattern.groups)
+    assert pattern.context_bias[-1][0].shape[-1] == 35  # the last group's context: row 1's anchor 35
+    # a group whose blocks all sit at position 0 has no context at all
+    first, second = grouped_block_attention(torch.tensor([[0, 5]]), torch.tensor([9]), 9, 2, 1).context_bias
+    assert first is None and second[0].shape == (1, 1, 2, 5) and not second[1].any()
+
+
 @pytest.mark.parametrize(("dtype", "loss_tol", "grad_tol"), GROUPED_TOLERANCES)
 @pytest.mark.parametrize("group_blocks", [1, 2])
 def test_dflash_step_in_groups_equals_the_dense_mask_step(dtype, loss_tol, grad_tol, group_blocks):
