@@ -348,7 +348,11 @@ class _RMSNorm(torch.autograd.Function):
 
     Written out, autograd keeps the normalised rows as well (and in half precision a float32
     copy of the input): two or three ``[.., H]`` tensors where this keeps one. Backward
-    recomputes the normalised rows; the rounding is the written-out form's.
+    recomputes the normalised rows. In half precision its rounding is the written-out form's; in
+    float32 and float64, where nothing rounds between the steps, each row's ``mean(dy * y)`` comes
+    from one GEMV of ``g * y`` (which the weight's gradient sums too) with the weight, and the rest
+    from one ``addcmul``: five passes over the rows instead of eight (a DFlash layer's per-head q norm,
+    backward: 0.66 ms instead of 1.31).
     """
 
     @staticmethod
@@ -363,6 +367,17 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         y32 = in_float32(x) * rstd
         grad_x = grad_weight = None
+        if x.dtype in (torch.float32, torch.float64) and grad.dtype == x.dtype and weight.dtype == x.dtype:
+            # no rounding between the steps: the row sums of dy * y = g * w * y as one GEMV of g * y with w,
+            # which the weight's gradient sums over rows as well
+            width = grad.shape[-1]
+            gy = (grad * y32).reshape(-1, width)
+            if ctx.needs_input_grad[1]:
+                grad_weight = gy.sum(0)
+            if ctx.needs_input_grad[0]:
+                mean = (gy @ weight).div_(width).view(rstd.shape)  # mean(dy * y) per row
+                grad_x = torch.addcmul(grad * weight, y32, mean, value=-1).mul_(rstd)
+            return grad_x, grad_weight, None
         if ctx.needs_input_grad[1]:
             grad_weight = (grad * y32.to(x.dtype)).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
         if ctx.needs_input_grad[0]:
@@ -381,8 +396,9 @@ class _GatedDownProj(torch.autograd.Function):
     """:func:`gated_down_proj`, keeping ``gate`` and ``up`` (and the weight) for backward and recomputing
     ``silu(gate) * up`` there. Written out (``linear(F.silu(gate) * up, weight)``), autograd keeps
     ``silu(gate)`` and the product (the down projection's input) too: two more ``[.., I]`` tensors,
-    the widest a decoder layer keeps but for the attention's. Backward is the written-out form's
-    operations in the same order."""
+    the widest a decoder layer keeps but for the attention's. Backward computes ``silu(gate)`` once,
+    for the product and, in its buffer, ``up``'s gradient; at most four ``[.., I]`` tensors at once,
+    as the written-out backward holds."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -393,11 +409,13 @@ class _GatedDownProj(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_weight = ctx.needs_input_grad
-        product = F.silu(gate).mul_(up)  # in place: one [.., I] transient, freed before the next
+        activated = F.silu(gate)
+        product = activated * up
         grad_product, grad_weight = linear_grads(grad, product, weight, need_gate or need_up, need_weight)
         del product
+        grad_up = activated.mul_(grad_product) if need_up else None  # silu(gate) is not needed after this
+        del activated
         grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate) if need_gate else None
-        grad_up = grad_product * F.silu(gate) if need_up else None
         return grad_gate, grad_up, grad_weight
 
 
