@@ -116,8 +116,7 @@ class _GRUSequence(torch.autograd.Function):
             if h_prev is None:
                 continue
             # the gradient reaching h_{t-1}: its own, the direct path through z, and W_hh's
-            below = grad_out[t - 1] if t > 0 else torch.zeros_like(d)
-            d = torch.addcmul(below, d, rz[:, g:]).addmm_(step[:, g:], w_state)
+            d = (torch.addcmul(grad_out[t - 1], d, rz[:, g:]) if t > 0 else d * rz[:, g:]).addmm_(step[:, g:], w_state)
             if t == 0:
                 dh0 = d
         result: list[torch.Tensor | None] = [None, None, None, None]
