@@ -104,12 +104,6 @@ class DraftKV:
 CAUSAL = "causal"
 
 
-def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`repeat_kv`: ``[B, nkv * groups, S, d]`` summed back to ``[B, nkv, S, d]``."""
-    b, nh, t, d = x.shape
-    return x.view(b, nh // groups, groups, t, d).sum(2) if groups > 1 else x
-
-
 class _CausalPlusDiagonal(torch.autograd.Function):
     """:func:`ttt_attention` with causal step-0 keys, on CPU: the flash kernel over ``k0`` a chunk of queries
     at a time (:func:`~specforge_core.nn.cpu_causal_attention`: the masked half is skipped, no S x S
@@ -131,12 +125,12 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         groups = q.shape[1] // k0.shape[1]
         out0, lse0 = _per_sample(cpu_causal_attention, query_start, in_float32(q), in_float32(k0), in_float32(v0),
                                  scale=scale)
-        q32, keys, values = in_float32(q), diag[0::2], diag[1::2]
-        scores = [(q32 * repeat_kv(k, groups)).sum(-1) * scale for k in keys]  # [B, nh, S] each
+        q32, keys, values = _grouped(in_float32(q), groups), diag[0::2], diag[1::2]
+        scores = [_diagonal_scores(q32, k, scale) for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
         out = out0 * (lse0 - lse).exp_()[..., None]
         for s_j, v in zip(scores, values):
-            out += (s_j - lse).exp_()[..., None] * repeat_kv(v, groups)
+            _grouped(out, groups).addcmul_(_grouped((s_j - lse).exp_()[..., None], groups), in_float32(v)[:, :, None])
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)  # out in float32, as the kernels' backward reads it
         ctx.scale, ctx.groups, ctx.query_start = scale, groups, query_start
         return out.to(q.dtype)
@@ -151,15 +145,30 @@ class _CausalPlusDiagonal(torch.autograd.Function):
                                                out, lse, scale=scale)
         grads: list[torch.Tensor] = []
         if diag:
-            total = (grad_out * out).sum(-1)  # rowsum(dout * out), the softmax backward's shift
+            total = torch.linalg.vecdot(grad_out, out)  # rowsum(dout * out), the softmax backward's shift
+            q_g, dout_g = _grouped(q, groups), _grouped(grad_out, groups)
+            grad_q_g = _grouped(grad_q, groups)  # the kernel's fresh float32 gradient, accumulated in place
             for k, v in zip(diag[0::2], diag[1::2]):
-                k_h, v_h = repeat_kv(k, groups), repeat_kv(v, groups)
-                p_j = ((q * k_h).sum(-1) * scale - lse).exp_()  # [B, nh, S]
-                d_score = p_j * ((grad_out * v_h).sum(-1) - total)
-                grad_q = grad_q + (d_score * scale)[..., None] * k_h
-                grads += [_per_kv_head((d_score * scale)[..., None] * q, groups).to(k.dtype),
-                          _per_kv_head(p_j[..., None] * grad_out, groups).to(v.dtype)]
+                k32, v32 = in_float32(k)[:, :, None], in_float32(v)[:, :, None]
+                p_j = (_diagonal_scores(q_g, k, scale) - lse).exp_()  # [B, nh, S]
+                d_score = p_j * (torch.linalg.vecdot(dout_g, v32).flatten(1, 2) - total) * scale
+                d_score_g = _grouped(d_score[..., None], groups)
+                grad_q_g.addcmul_(d_score_g, k32)
+                grads += [(d_score_g * q_g).sum(2).to(k.dtype),  # summed over the heads that share k and v
+                          (_grouped(p_j[..., None], groups) * dout_g).sum(2).to(v.dtype)]
         return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, None, *grads)
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, nkv * groups, ...]`` viewed as ``[B, nkv, groups, ...]``: the query heads that share a key-value head,
+    so a ``[B, nkv, 1, ...]`` key or value broadcasts against them instead of being repeated (:func:`repeat_kv`)."""
+    return x.unflatten(1, (x.shape[1] // groups, groups))
+
+
+def _diagonal_scores(q_g: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q . k`` per query and head for one diagonal key per position: ``q_g [B, nkv, groups, S, d]``
+    (:func:`_grouped`, float32), ``k [B, nkv, S, d]`` -> ``[B, nkv * groups, S]``, one reduction, no copies."""
+    return torch.linalg.vecdot(q_g, in_float32(k)[:, :, None]).flatten(1, 2).mul_(scale)
 
 
 def _per_sample(kernel, query_start: tuple[int, ...], *tensors: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
