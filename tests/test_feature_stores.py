@@ -461,6 +461,36 @@ def test_disk_batch_read_checksums_on_another_thread_while_then_runs_and_returns
     assert checked_on == []
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_disk_batch_read_drops_its_samples_on_the_checks_thread_and_keeps_what_then_returned(tmp_path, verify):
+    import threading
+
+    from specforge_core.checksums import submit_check
+
+    store = disk_store(tmp_path / "store", verify_checksums=verify)
+    refs = [store.put(f"s{i}", sample_tensors(seed=i)) for i in range(3)]
+    freed_on = []
+
+    def then(samples):
+        for sample in samples:
+            weakref.finalize(sample["hidden_states"], lambda: freed_on.append(threading.current_thread().name))
+        return samples[1]["input_ids"]  # then keeps one tensor over one file's map
+
+    kept = store.get_batch(refs, None, then)
+    submit_check(lambda: None).result()  # the checks' thread has run everything queued before
+    assert len(freed_on) == 3 and all(name.startswith("specforge-verify") for name in freed_on)
+    assert torch.equal(kept, sample_tensors(seed=1)["input_ids"])  # its map outlives the others
+    # a get_batch that fails drops what it had read there too, and the store reads on
+    freed_on.clear()
+    store.abort("s2")
+    with pytest.raises(SampleNotFoundError):
+        store.get_batch(refs, None, then)
+    submit_check(lambda: None).result()
+    assert freed_on == []  # then never ran; the two samples read before the failure are gone all the same
+    assert store.get_batch(refs[:2], ["input_ids"], lambda samples: [s["input_ids"].tolist() for s in samples]) == [
+        sample_tensors(seed=i)["input_ids"].tolist() for i in range(2)]
+
+
 def test_disk_batch_read_of_a_flipped_byte_raises_after_then_and_drops_its_result(damaged, monkeypatch):
     from specforge_core.feature_stores import base
 

@@ -9,6 +9,7 @@ subclass only says where bytes live (``_store``, ``_load``, ``_release``, ``_dro
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import threading
@@ -157,6 +158,37 @@ def stale_error(ref: SampleRef, current: int) -> StaleRefError:
     )
 
 
+def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[Callable[[], None]],
+                  then: Callable[[list], T]) -> T:
+    """``then(samples)`` with ``checks`` run first (a small batch) or on the checks' thread beside it; raises the
+    first failed check after ``then``, whose result is then never returned."""
+    if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
+            < DEFER_CHECKS_FROM_BYTES:
+        for check in checks:  # a small batch: handing the checks to a thread costs more than it overlaps
+            check()
+        return then(samples)
+    if not checks:
+        return then(samples)
+    pending = submit_check(functools.partial(_run_all, checks))
+    try:
+        result = then(samples)
+    finally:
+        failure = pending.exception()  # waits: nothing is returned before its bytes are checked
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _run_all(checks: list[Callable[[], None]]) -> None:
+    for check in checks:
+        check()
+
+
+def _clear(*lists: list) -> None:
+    for items in lists:
+        items.clear()
+
+
 class BaseFeatureStore:
     """The checks and bookkeeping of a feature store; subclasses say where bytes live.
 
@@ -176,6 +208,9 @@ class BaseFeatureStore:
     """
 
     uri: str
+    #: Whether :meth:`get_batch` drops the samples it read on a background thread once ``then`` has run (a store
+    #: whose tensors are file maps: unmapping them costs about as much as mapping).
+    _release_reads_apart: bool = False
 
     def __init__(self, *, run_id: str, consume_once: bool) -> None:
         self.run_id = run_id
@@ -222,31 +257,28 @@ class BaseFeatureStore:
         checks on a background thread while ``then`` runs here (batches of at least
         :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first): a sample that fails raises
         after ``then``, and ``then``'s result is never returned. Any other error raises as :meth:`get`'s.
+        A store whose tensors are file maps (the disk store) drops the samples on that thread too once
+        ``then`` has run, so unmapping them is off the caller's path (1 MiB samples read in batches of 8:
+        0.93 of a raw read instead of 0.79; ``bench/feature_stores.py``); tensors ``then`` kept stay valid.
         """
-        samples, checks = [], []
-        for ref in refs:
-            self._check_ref(ref, "get")
-            tensors, check = self._load_deferred(ref, select_features(ref, keys))
-            samples.append(tensors)
-            if check is not None:
-                checks.append(check)
-        with self._lock:
-            self._counts["gets"] += len(samples)
-        if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
-                < DEFER_CHECKS_FROM_BYTES:
-            for check in checks:  # a small batch: handing the checks to a thread costs more than it overlaps
-                check()
-            checks = []
-        if not checks:
-            return then(samples)
-        pending = submit_check(lambda: [check() for check in checks])
+        samples: list[dict[str, torch.Tensor]] = []
+        checks: list[Callable[[], None]] = []
         try:
-            result = then(samples)
+            for ref in refs:
+                self._check_ref(ref, "get")
+                loaded, check = self._load_deferred(ref, select_features(ref, keys))
+                samples.append(loaded)
+                if check is not None:
+                    checks.append(check)
+                del loaded, check  # the lists hold the only references (see the finally below)
+            with self._lock:
+                self._counts["gets"] += len(samples)
+            return _then_checked(samples, checks, then)
         finally:
-            failure = pending.exception()  # waits: nothing is returned before its bytes are checked
-        if failure is not None:
-            raise failure
-        return result
+            if self._release_reads_apart and (samples or checks):
+                # The samples' last references are dropped on the checks' thread: a store whose reads
+                # map files unmaps them there, off the caller's path (what ``then`` kept stays alive).
+                submit_check(functools.partial(_clear, samples, checks))
 
     def release(self, ref: SampleRef) -> None:
         """Say the sample was consumed: a consume-once store frees it, a retaining store keeps it.
