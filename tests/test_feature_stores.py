@@ -489,6 +489,10 @@ def test_disk_batch_read_drops_its_samples_on_the_checks_thread_and_keeps_what_t
     assert freed_on == []  # then never ran; the two samples read before the failure are gone all the same
     assert store.get_batch(refs[:2], ["input_ids"], lambda samples: [s["input_ids"].tolist() for s in samples]) == [
         sample_tensors(seed=i)["input_ids"].tolist() for i in range(2)]
+    # a then that keeps the very list it was handed gets it whole
+    kept_list = store.get_batch(refs[:2], None, lambda samples: samples)
+    submit_check(lambda: None).result()
+    assert len(kept_list) == 2 and torch.equal(kept_list[0]["hidden_states"], sample_tensors(seed=0)["hidden_states"])
 
 
 def test_disk_batch_read_of_a_flipped_byte_raises_after_then_and_drops_its_result(damaged, monkeypatch):

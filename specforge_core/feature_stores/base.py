@@ -184,11 +184,6 @@ def _run_all(checks: list[Callable[[], None]]) -> None:
         check()
 
 
-def _clear(*lists: list) -> None:
-    for items in lists:
-        items.clear()
-
-
 class BaseFeatureStore:
     """The checks and bookkeeping of a feature store; subclasses say where bytes live.
 
@@ -276,9 +271,12 @@ class BaseFeatureStore:
             return _then_checked(samples, checks, then)
         finally:
             if self._release_reads_apart and (samples or checks):
-                # The samples' last references are dropped on the checks' thread: a store whose reads
-                # map files unmaps them there, off the caller's path (what ``then`` kept stays alive).
-                submit_check(functools.partial(_clear, samples, checks))
+                # The lists' last references are dropped on the checks' thread, so a store whose reads map
+                # files unmaps them there, off the caller's path; whatever ``then`` kept (the list itself,
+                # some tensors) holds its own references and stays as it is.
+                held = [samples, checks]
+                del samples, checks
+                submit_check(held.clear)
 
     def release(self, ref: SampleRef) -> None:
         """Say the sample was consumed: a consume-once store frees it, a retaining store keeps it.
