@@ -126,11 +126,11 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         out0, lse0 = _per_sample(cpu_causal_attention, query_start, in_float32(q), in_float32(k0), in_float32(v0),
                                  scale=scale)
         q32, keys, values = _grouped(in_float32(q), groups), diag[0::2], diag[1::2]
-        scores = [_diagonal_scores(q32, k, scale) for k in keys]  # [B, nh, S] each
+        scores = [_diagonal_scores(q32, _kv_grouped(k), scale) for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
         out = out0 * (lse0 - lse).exp_()[..., None]
         for s_j, v in zip(scores, values):
-            _grouped(out, groups).addcmul_(_grouped((s_j - lse).exp_()[..., None], groups), in_float32(v)[:, :, None])
+            _grouped(out, groups).addcmul_(_grouped((s_j - lse).exp_()[..., None], groups), _kv_grouped(v))
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)  # out in float32, as the kernels' backward reads it
         ctx.scale, ctx.groups, ctx.query_start = scale, groups, query_start
         return out.to(q.dtype)
@@ -149,8 +149,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             q_g, dout_g = _grouped(q, groups), _grouped(grad_out, groups)
             grad_q_g = _grouped(grad_q, groups)  # the kernel's fresh float32 gradient, accumulated in place
             for k, v in zip(diag[0::2], diag[1::2]):
-                k32, v32 = in_float32(k)[:, :, None], in_float32(v)[:, :, None]
-                p_j = (_diagonal_scores(q_g, k, scale) - lse).exp_()  # [B, nh, S]
+                k32, v32 = _kv_grouped(k), _kv_grouped(v)
+                p_j = (_diagonal_scores(q_g, k32, scale) - lse).exp_()  # [B, nh, S]
                 d_score = p_j * (torch.linalg.vecdot(dout_g, v32).flatten(1, 2) - total) * scale
                 d_score_g = _grouped(d_score[..., None], groups)
                 grad_q_g.addcmul_(d_score_g, k32)
@@ -165,10 +165,17 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unflatten(1, (x.shape[1] // groups, groups))
 
 
-def _diagonal_scores(q_g: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def _kv_grouped(x: torch.Tensor) -> torch.Tensor:
+    """A key or value ``[B, nkv, S, d]`` as float32 ``[B, nkv, 1, S, d]``, to broadcast against :func:`_grouped`
+    query heads."""
+    return in_float32(x)[:, :, None]
+
+
+def _diagonal_scores(q_g: torch.Tensor, k_g: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale * q . k`` per query and head for one diagonal key per position: ``q_g [B, nkv, groups, S, d]``
-    (:func:`_grouped`, float32), ``k [B, nkv, S, d]`` -> ``[B, nkv * groups, S]``, one reduction, no copies."""
-    return torch.linalg.vecdot(q_g, in_float32(k)[:, :, None]).flatten(1, 2).mul_(scale)
+    (:func:`_grouped`, float32), ``k_g [B, nkv, 1, S, d]`` (:func:`_kv_grouped`) -> ``[B, nkv * groups, S]``, one
+    reduction, no copies."""
+    return torch.linalg.vecdot(q_g, k_g).flatten(1, 2).mul_(scale)
 
 
 def _per_sample(kernel, query_start: tuple[int, ...], *tensors: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
