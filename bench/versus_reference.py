@@ -68,7 +68,9 @@ KERNELS = {
                                              "cuda": "nn.GRU (cuDNN)"}}},
     "eagle3": {
         "ours_unroll": {"cpu": "steps 1..K-1 over the positions the loss reads only (specforge_plugin_eagle3.loss."
-                               "unroll_windows: a prompt before the first supervised position costs step 0 only)",
+                               "unroll_windows: a prompt before the first supervised position costs step 0 only); "
+                               "q/k/v as one GEMM of the stacked weights, whose token half (norm(embed) W_e: step k "
+                               "reads step 0's token t+k) is computed once for every step at step 0",
                         "cuda": "the same"},
         "ours_attention": {"cpu": "step-0 keys by the flash kernel for CPU, 64 queries at a time over their own keys "
                                   "(causal) and the keys before them, merged by log-sum-exp (masked half skipped, no "

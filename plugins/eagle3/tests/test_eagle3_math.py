@@ -17,7 +17,7 @@ from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
 from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss, unroll_windows
 from specforge_core.nn import apply_rope
 from specforge_plugin_eagle3.model import (CAUSAL, UnrollWindows, additive_mask, repeat_kv, right_padded, shift_left,
-                                          ttt_attention, ttt_key_mask)
+                                          take_rows, ttt_attention, ttt_key_mask)
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 from specforge_plugin_eagle3.testing import V, tiny_batch, tiny_target
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
@@ -186,6 +186,45 @@ def test_the_unrolled_forward_equals_a_dense_reference_with_rope_offsets_and_shi
     real = batch["attention_mask"].bool()
     for g, w in zip(got, want):
         assert torch.allclose(g[real], w[real], atol=1e-5)
+
+
+def test_the_unroll_gives_every_parameter_the_dense_references_gradient():
+    """The token half of q/k/v computed once for all steps (and the stacked weights' own backward) gives the
+    gradients of the reference, which concatenates [norm(embed) ; norm(hidden)] at every step."""
+    info, frozen, strategy, model = tiny_draft(ttt_length=4)
+    model = model.double()
+    _samples, batch = tiny_batch(strategy, info, lengths=(6, 4))
+    ids, aux, attention_mask = batch["input_ids"], batch["aux_hidden"].double(), batch["attention_mask"]
+    real = attention_mask.bool()
+    gen = torch.Generator().manual_seed(3)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradients(outputs):
+        loss = sum((out[real] * torch.randn(out[real].shape, generator=gen, dtype=out.dtype)).sum()
+                   for out in outputs)
+        return torch.autograd.grad(loss, params)
+
+    got = gradients(model(ids, aux, attention_mask, 4))
+    gen.manual_seed(3)
+    want = gradients(reference_unroll(model, ids, aux, attention_mask, 4))
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert "midlayer.input_layernorm.weight" in names and "midlayer.self_attn.q_proj.weight" in names
+    for name, g, w in zip(names, got, want):
+        assert w.abs().max() > 0, name
+        assert torch.allclose(g, w, rtol=1e-9, atol=1e-12), name
+
+
+def test_take_rows_is_gather_along_the_sequence_in_values_and_gradients():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([[0, 1, 2, 3], [3, 4, 5, 6], [6, 2, 2, 0]])
+    grad = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    got = take_rows(x, rows)
+    (got_grad,) = torch.autograd.grad(got, x, grad)
+    want = x.gather(1, rows[..., None].expand(-1, -1, 5))
+    (want_grad,) = torch.autograd.grad(want, x, grad)
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert got[2, 1].tolist() == x[2, 2].tolist() and got_grad[2, 2].tolist() == (grad[2, 1] + grad[2, 2]).tolist()
 
 
 def test_padding_does_not_change_the_logits_of_real_positions():
