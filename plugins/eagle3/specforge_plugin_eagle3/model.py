@@ -366,7 +366,7 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV,
                 mask0: torch.Tensor | str | None, step0: bool, query_start: int | Sequence[int] = 0) -> torch.Tensor:
-        """qkv [B, S, (nh + 2 nkv) d] (the input through :meth:`qkv_weight`) -> [B, S, h]. Step 0 appends its
+        """qkv [B, S, (nh + 2 nkv) d] (the input through :meth:`qkv_weights`) -> [B, S, h]. Step 0 appends its
         keys to ``kv.k0``; later steps to ``kv.diag``; ``query_start``: the first position (per sample: a
         later step's window)."""
         b, s, _ = qkv.shape
@@ -397,26 +397,31 @@ class Eagle3DecoderLayer(nn.Module):
                 emb_rows: int | torch.Tensor | None = None) -> torch.Tensor:
         """emb, hidden [B, S, h] -> the next hidden [B, S, h] (before the final norm).
 
-        q/k/v read ``[norm(emb) ; norm(hidden)]``, computed as the sum of its two halves' GEMMs: the token
-        half ``norm(emb) W_e`` and the hidden half ``norm(hidden) W_h``. In a training unroll the token at
-        position t of step k is the token at t + k of step 0, so the token half is computed once: with
-        ``emb_rows``, ``emb`` at step 0 holds the embeddings of every position the unroll reads (``[B, S + K - 1,
-        h]``), whose token halves go to ``kv.tokens``; later steps pass ``emb`` None and read theirs from
-        there. ``emb_rows`` says which rows are this step's: an int r (positions r .. r + S - 1) or ``[B, S]``
-        positions (a window).
+        q/k/v read ``[norm(emb) ; norm(hidden)]``. In an unroll (``emb_rows`` given) they are the sum of the
+        two halves' GEMMs, the token half ``norm(emb) W_e`` and the hidden half ``norm(hidden) W_h`` (q, k and
+        v stacked): the token at position t of step k is the token at t + k of step 0, so the token half is
+        computed once. ``emb`` at step 0 then holds the embeddings of every position the unroll reads (``[B,
+        S + K - 1, h]``), whose token halves go to ``kv.tokens`` with W_h to ``kv.weight_h``; later steps pass
+        ``emb`` None and read theirs from there. ``emb_rows`` says which rows are this step's: an int r
+        (positions r .. r + S - 1) or ``[B, S]`` positions (a window). Without it (a drafting step) the three
+        projections run on the concatenation as they are, no weights copied.
         """
-        if emb is None:  # a later unroll step: the token half and W_h are step 0's
-            tokens, weight_h = kv.tokens, kv.weight_h
+        if emb_rows is None:  # one step (drafting): the three projections of the concatenation, no weights stacked
+            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2h]
+            attn = self.self_attn
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
         else:
-            weight_e, weight_h = self.self_attn.qkv_weights()
-            tokens = linear(self.input_layernorm(emb), weight_e)
-            if emb_rows is not None:
-                kv.tokens, kv.weight_h = tokens, weight_h
-        if isinstance(emb_rows, int):
-            tokens = tokens[:, emb_rows:emb_rows + hidden.shape[1]]
-        elif emb_rows is not None:
-            tokens = take_rows(tokens, emb_rows)
-        qkv = linear(self.hidden_norm(hidden), weight_h) + tokens
+            if emb is None:  # a later unroll step: the token half and W_h are step 0's
+                tokens, weight_h = kv.tokens, kv.weight_h
+            else:
+                weight_e, weight_h = self.self_attn.qkv_weights()
+                tokens = kv.tokens = linear(self.input_layernorm(emb), weight_e)
+                kv.weight_h = weight_h
+            if isinstance(emb_rows, int):
+                tokens = tokens[:, emb_rows:emb_rows + hidden.shape[1]]
+            else:
+                tokens = take_rows(tokens, emb_rows)
+            qkv = linear(self.hidden_norm(hidden), weight_h) + tokens
         hidden = hidden + self.self_attn(qkv, cos, sin, kv, mask0, step0, query_start)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -520,20 +525,21 @@ class Eagle3Draft(nn.Module):
         kv = DraftKV()
         # step k at position t consumes token t+1+k (ids zero-filled past the end, as shift_left): the
         # embeddings of every token the unroll reads, whose token halves of q/k/v step 0 computes for all steps
-        tokens = self.embed(torch.cat([input_ids, input_ids.new_zeros(b, ttt_length - 1)], dim=1))
+        embedded = self.embed(torch.cat([input_ids, input_ids.new_zeros(b, ttt_length - 1)], dim=1))
         out, rows = [], positions
         for k in range(ttt_length):
             query_start, emb_rows = 0, k
             if k and windows is not None:  # sample b's positions starts[b] .. starts[b] + width - 1
                 if k == 1:
-                    rows = torch.tensor(windows.starts, device=input_ids.device)[:, None] + positions[:windows.widths[1]]
+                    starts = torch.tensor(windows.starts, device=input_ids.device)
+                    rows = starts[:, None] + positions[:windows.widths[1]]
                     hidden = take_rows(hidden, rows)
                 rows = rows[:, :windows.widths[k]]
                 hidden, query_start, emb_rows = hidden[:, :rows.shape[1]], windows.starts, rows + k
             cos, sin = self.rope(rows + k)  # RoPE positions +k at step k
             if rows.dim() == 2:  # [B, W, d] -> [B, 1, W, d]: per sample, the same for every head
                 cos, sin = cos[:, None], sin[:, None]
-            hidden = self.midlayer(tokens if k == 0 else None, hidden, cos, sin, kv, mask0, step0=k == 0,
+            hidden = self.midlayer(embedded if k == 0 else None, hidden, cos, sin, kv, mask0, step0=k == 0,
                                    query_start=query_start, emb_rows=emb_rows)  # h_{k+1}
             out.append(hidden)
         return out
