@@ -19,7 +19,7 @@ from torch import nn
 HALF_GEMM_ENV = "SPECFORGE_CPU_HALF_GEMM"
 
 
-@functools.lru_cache(maxsize=1)
+@torch.compiler.assume_constant_result
 def upcast_half_gemm_on_cpu() -> bool:
     """Whether :func:`linear` runs bf16/fp16 matmuls on CPU as float32 GEMMs of upcast operands.
 
@@ -28,7 +28,16 @@ def upcast_half_gemm_on_cpu() -> bool:
     (``bench/versus_reference.py``); the float32 GEMM accumulates in float32 as a native bf16
     GEMM does, so results differ by summation order only. CUDA and CPUs with those
     instructions keep the native kernels. ``SPECFORGE_CPU_HALF_GEMM=fp32|native`` overrides.
+
+    Decided once per process (``upcast_half_gemm_on_cpu.cache_clear()`` forgets it). A layer under
+    ``torch.compile`` takes the answer as a constant of its graph: traced, the reading of
+    ``/proc/cpuinfo`` broke a bf16 layer's graph at every linear (24 graph breaks a DFlash step).
     """
+    return _half_gemm_choice()
+
+
+@functools.lru_cache(maxsize=1)
+def _half_gemm_choice() -> bool:
     choice = os.environ.get(HALF_GEMM_ENV, "").strip().lower()
     if choice in ("fp32", "native"):
         return choice == "fp32"
@@ -38,6 +47,9 @@ def upcast_half_gemm_on_cpu() -> bool:
     except OSError:  # not Linux: leave torch's kernels alone
         return False
     return bool(flags) and not {"avx512_bf16", "amx_bf16"} & set(flags)
+
+
+upcast_half_gemm_on_cpu.cache_clear = _half_gemm_choice.cache_clear  # type: ignore[attr-defined]
 
 
 #: Rows of an upcast linear are converted a chunk at a time, about this many float32 elements per chunk

@@ -19,6 +19,20 @@ def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_g
     assert upcast_half_gemm_on_cpu() is not bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
+@pytest.mark.parametrize("route", ["", "fp32", "native"])
+def test_a_compiled_linear_takes_the_route_as_a_constant_in_one_graph(half_gemm, route):
+    """Under torch.compile the route is decided outside the graph: tracing the decision (it reads
+    /proc/cpuinfo) broke a compiled bf16 layer's graph at every linear."""
+    half_gemm(route)  # forgotten: the compiled call below is the first to ask
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((8, 16), (4, 16)))
+    torch._dynamo.reset()
+    got = torch.compile(linear, fullgraph=True, backend="eager")(x, w)  # fullgraph: a graph break raises
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), x.float() @ w.float().t(), rtol=1e-2, atol=1e-2)
+    if route:
+        assert upcast_half_gemm_on_cpu() is (route == "fp32")
+
+
 @pytest.mark.parametrize("chunk_elements", [1 << 18, 64])  # all 15 rows at once; 4 rows a chunk, the last 3
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_upcast_linear_matches_float64_to_half_precision_rounding_in_output_and_gradients(half_gemm, monkeypatch,
