@@ -164,9 +164,8 @@ def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[Callable[
     first failed check after ``then``, whose result is then never returned."""
     if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
             < DEFER_CHECKS_FROM_BYTES:
-        for check in checks:  # a small batch: handing the checks to a thread costs more than it overlaps
-            check()
-        return then(samples)
+        _run_all(checks)  # a small batch: handing the checks to a thread costs more than it overlaps
+        checks = []
     if not checks:
         return then(samples)
     pending = submit_check(functools.partial(_run_all, checks))
