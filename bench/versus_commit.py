@@ -6,8 +6,9 @@ batch (``versus_reference.build`` of their own tree) and step in turn, alternati
 first, so load from other processes hits both alike. One worker imports this checkout, the other
 a detached git worktree of ``--commit`` (made in a temporary directory and removed afterwards).
 Each takes the optimizer its tree's trainer builds (torch's fused AdamW where that tree has
-``specforge_core.training.optim.fused_adamw``, AdamW's defaults before it). One JSON line per
-strategy and dtype:
+``specforge_core.training.optim.fused_adamw``, AdamW's defaults before it) and keeps the C heap as
+its tree's trainer does (``specforge_core.heap.keep_heap`` where that tree has it, the C library's
+defaults before). One JSON line per strategy and dtype:
 
     ms_here / ms_commit       median step milliseconds
     speedup                   median of the per-pair ratios ``commit seconds / here`` (> 1: here is faster)
@@ -51,6 +52,12 @@ def worker(tree: str, name: str, dtype_name: str, ttt_length: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+    try:
+        from specforge_core.heap import keep_heap
+    except ImportError:  # a tree from before the trainer kept its heap
+        pass
+    else:
+        keep_heap()
     import specforge_core
     import versus_reference
     from specforge_core.contracts import StepContext

@@ -6,7 +6,9 @@ unroll step, plus the diagonal keys; the DFlash family: one ``[N*bs, S + N*bs]``
 SDPA over ``[context ; blocks]``), full-vocabulary logits materialised at once, a full
 ``log_softmax`` in the loss and the per-step metrics over whole distributions. The path
 under test is the strategy's own ``forward_loss``. Both run backward and an AdamW step: ours on
-torch's fused AdamW kernel, as the trainer builds it, the reference with AdamW's defaults.
+torch's fused AdamW kernel, as the trainer builds it, the reference with AdamW's defaults. Ours
+keeps its process's C heap between steps as the trainer does (``train.keep_heap``), the reference
+runs on glibc's defaults (``--system-heap`` leaves ours on them too).
 
 The two paths run in two worker processes (one torch thread each) that step in turn,
 alternating which goes first, so load from other processes hits both alike; each pair
@@ -26,6 +28,7 @@ strategy and dtype:
     python bench/versus_reference.py                                # every strategy, fp32 and bf16
     python bench/versus_reference.py --strategies eagle3 --dtypes float32 --pairs 9
     python bench/versus_reference.py --compile --reference eager    # what strategy.compile changes
+    python bench/versus_reference.py --system-heap                  # ours on glibc's default heap too
 
 Shapes (defaults): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash family H 128,
 2 layers, block 16, 16 anchors, S 512, B 4, V 1024 (bench/dflash_step.py's ``tiny``).
@@ -112,6 +115,9 @@ OPTIMIZER = {"ours": {"cpu": "AdamW on torch's fused kernel, one call per parame
                              "(specforge_core.training.optim.fused_adamw)", "cuda": "the same"},
              "reference": {"cpu": "torch.optim.AdamW with its defaults: the for-loop form, about ten elementwise ops "
                                   "per parameter", "cuda": "torch.optim.AdamW with its defaults: foreach kernels"}}
+#: How each path's process keeps its C heap between steps (on CPU and CUDA hosts alike: host memory).
+HEAP = {"ours": "kept between steps, as the trainer keeps it (train.keep_heap: specforge_core.heap.keep_heap)",
+        "reference": "glibc's defaults: the heap's free top handed back to the system as a step ends"}
 
 # -- building the same model and batch in each worker ------------------------------------------------------------
 
@@ -369,12 +375,15 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     import torch
 
     from specforge_core.contracts import StepContext
+    from specforge_core.heap import keep_heap
     from specforge_core.training.optim import fused_adamw
 
     torch.set_num_threads(1)
+    trainer_optimizer = path == "ours" or args.reference == "eager"
+    if trainer_optimizer and not args.system_heap:
+        keep_heap()  # as the trainer does (train.keep_heap)
     strategy, model, batch, tokens = build(name, dtype_name, args, compile=args.compile and path == "ours")
     params = [p for p in model.parameters() if p.requires_grad]
-    trainer_optimizer = path == "ours" or args.reference == "eager"
     # ours steps with the optimizer the trainer builds (the fused AdamW kernel); the textbook with AdamW's defaults
     optimizer = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if trainer_optimizer and fused_adamw(params)
                                                       else {}))
@@ -434,13 +443,16 @@ def kernels(family: str, args: argparse.Namespace) -> dict:
     linears = KERNELS["linears"]
     linears = {**linears, "ours": {**linears["ours"], "cpu": linears["ours"]["cpu"] + _HALF[upcast]},
                "reference": {**linears["reference"], "cpu": linears["reference"]["cpu"] + _HALF_REFERENCE[upcast]}}
-    described = {**KERNELS[family], "linears": linears, "optimizer": OPTIMIZER}
+    heap = {"ours": "glibc's defaults (--system-heap)" if args.system_heap else HEAP["ours"],
+            "reference": HEAP["reference"]}
+    described = {**KERNELS[family], "linears": linears, "optimizer": OPTIMIZER, "heap": heap}
     if args.compile:
         described["ours_layers"] = {"cpu": "torch.compile (inductor C++ kernels) around the eager attention",
                                     "cuda": "torch.compile (inductor Triton kernels) around the eager attention"}
     if args.reference == "eager":
         described = {key: value for key, value in described.items() if not key.startswith("reference")}
         described["optimizer"] = {"ours": OPTIMIZER["ours"], "reference": OPTIMIZER["ours"]}
+        described["heap"] = {"ours": heap["ours"], "reference": heap["ours"]}
         described["reference"] = "ours, every layer eager"
     elif args.reference == "compiled":
         described["reference_compiled"] = {"cpu": "the whole textbook step under torch.compile: inductor C++ kernels "
@@ -502,6 +514,9 @@ def main() -> None:
                         help="what ours is compared with: the textbook step (default), the textbook step under "
                              "torch.compile (compiled; its untimed first step compiles), or ours without compile "
                              "(eager; with --compile: what compiling changes)")
+    parser.add_argument("--system-heap", action="store_true",
+                        help="leave ours on the C library's default heap policy too, instead of keeping the heap "
+                             "between steps as the trainer does (train.keep_heap): what that setting is worth")
     args = parser.parse_args()
     for name in args.strategies.split(","):
         if name not in STRATEGIES:

@@ -94,11 +94,13 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
     from .training.evaluator import Evaluator
     from .training.trainer import Trainer
 
+    from .heap import keep_heap
     from .threads import apply_threads
 
     train = plan.train
     info = init_distributed(train.device)
     apply_threads(train.threads, quiet=not info.is_main)
+    keep_heap(train.keep_heap)
     source: Any = None
     try:
         check_same_everywhere("the installed plugin set", manager.plugin_set(), info)

@@ -84,9 +84,11 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     from ..data.split import resolve_data_files
     from ..features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
     from ..options import options_to_dict
+    from ..heap import keep_heap
     from ..threads import apply_threads
 
     apply_threads(plan.train.threads)
+    keep_heap(plan.train.keep_heap)
     from ..run_directory import check_writable
 
     check_writable(plan.output, "features directory")

@@ -1,0 +1,70 @@
+"""Keeping a training process's C heap between steps (``train.keep_heap``).
+
+torch's CPU tensors come from ``malloc``. A train step allocates and frees the same tens of
+megabytes every step, and glibc's defaults hand much of that back to the kernel as the step
+ends: whenever the free memory at the top of the heap exceeds its trim threshold (twice its
+mmap threshold, which it raises up to 32 MiB as large blocks are freed), it shrinks the heap,
+and the next step's allocations fault every page in again, each page zeroed by the kernel. In
+``bench/versus_reference.py``'s Domino step that was 3000-6000 page faults per step, about
+8% of the step's time on a 4 KiB-page virtual machine; 3-6% in DFlash's, ~3% in EAGLE3's.
+
+:func:`keep_heap` sets both thresholds once for the process: blocks up to 32 MiB (glibc's own
+ceiling for its dynamic threshold) come from the heap, and the heap is trimmed only when more
+than 1 GiB is free at its top. After the first steps a step then reuses pages it already has:
+the resident memory stays at the step's high-water mark between steps, which is what the
+step needs anyway, and blocks above 32 MiB are still mapped and unmapped one by one.
+
+Only glibc is tuned (Linux); another C library keeps its own policy. A process whose
+environment sets glibc's malloc variables (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_`` or malloc tunables in ``GLIBC_TUNABLES``) keeps
+them: they are someone's deliberate choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+#: ``mallopt`` parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: blocks up to this size come from the heap: glibc's ceiling for its dynamic mmap threshold (64-bit)
+MMAP_THRESHOLD = 32 * 2**20
+#: the heap is trimmed when more than this is free at its top
+TRIM_THRESHOLD = 2**30
+#: glibc's environment settings of its malloc, each of which :func:`keep_heap` leaves alone
+_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_heap(enabled: bool = True) -> str:
+    """Set this process's glibc heap thresholds as the module docstring says (once is enough; repeating is
+    harmless). Returns what the process's heap now does, for a log line."""
+    if not enabled:
+        return "the C library's default heap policy (train.keep_heap is off)"
+    user = [name for name in _USER_SETTINGS if name in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        user.append("GLIBC_TUNABLES")
+    if user:
+        return f"the C library's heap as the environment sets it ({', '.join(user)})"
+    libc = _glibc()
+    if libc is None:
+        return "the C library's default heap policy (not glibc)"
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+        return "the C library's default heap policy (glibc refused the thresholds)"
+    return f"the heap kept between steps (blocks up to {MMAP_THRESHOLD >> 20} MiB, trimmed above " \
+           f"{TRIM_THRESHOLD >> 20} MiB free)"
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The process's own C library when it is glibc (it alone has ``gnu_get_libc_version``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - the probe: AttributeError elsewhere
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return libc
