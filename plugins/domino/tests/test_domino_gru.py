@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specforge_plugin_domino.gru import FusedGRU
+from specforge_plugin_domino.gru import FusedGRU, _tanh
 
 M, T, H, G = 6, 5, 7, 4
 
@@ -55,6 +55,22 @@ def test_fused_gru_in_float32_matches_float64_to_float32_rounding():
     got = _run(fused, torch.float32, x, h0, grad_states, grad_last)
     for g, w in zip(got, want):
         assert (g - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+@pytest.mark.parametrize("dtype, ulp", [(torch.float32, 2.5e-7), (torch.float64, 5e-16)])
+def test_the_gates_tanh_is_torchs_to_a_unit_in_the_last_place_of_one(dtype, ulp):
+    x = torch.cat([torch.linspace(-30, 30, 20001, dtype=dtype), torch.tensor([0.0, -0.0, 1e-30, float("inf"),
+                                                                                 -float("inf")], dtype=dtype)])
+    out = torch.empty_like(x)
+    _tanh(x, out, torch.tensor(-1.0, dtype=dtype))
+    assert (out - torch.tanh(x)).abs().max() <= ulp
+    assert out[-2:].tolist() == [1.0, -1.0] and out.abs().max() == 1.0  # saturates at exactly +-1, never past
+    copy = x.clone()
+    _tanh(copy, copy, torch.tensor(-1.0, dtype=dtype))  # in place, as the forward calls it
+    assert torch.equal(copy, out)
+    nan = torch.tensor([float("nan")], dtype=dtype)
+    _tanh(nan, nan, torch.tensor(-1.0, dtype=dtype))
+    assert torch.isnan(nan).all()
 
 
 def test_half_precision_runs_float32_gemms_where_the_cpu_lacks_bf16_ones_and_stays_nearer_float64(half_gemm):
