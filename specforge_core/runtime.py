@@ -100,7 +100,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
     train = plan.train
     info = init_distributed(train.device)
     apply_threads(train.threads, quiet=not info.is_main)
-    keep_heap(train.keep_heap)
+    heap = keep_heap(train.keep_heap)
     source: Any = None
     try:
         check_same_everywhere("the installed plugin set", manager.plugin_set(), info)
@@ -152,7 +152,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if info.is_main:
             print(eval_note, file=sys.stderr, flush=True)
         summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
-                         "topology": topology, "eval_split": eval_note,
+                         "topology": topology, "eval_split": eval_note, "heap": heap,
                          "train_options_suggested_by_engine": applied or {}}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,

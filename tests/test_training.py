@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fixtures.linear_plugin import make_features
 from sf_helpers import run_specforge
+from specforge_core import heap
 from specforge_core.testing import FakeSite
 
 PLUGIN_SOURCE = (Path(__file__).parent / "fixtures" / "linear_plugin.py").read_text()
@@ -76,6 +77,8 @@ def test_run_writes_metrics_summary_curves_and_checkpoints(site, features, tmp_p
     assert summary["final_eval"]["eval/acc"] == [r for r in records if "eval/acc" in r][-1]["eval/acc"]
     assert {p["name"]: p["version"] for p in summary["plugins"]}["linear"] == "0.0.7"
     assert summary["config"]["strategy"]["name"] == "linear"
+    if heap._glibc() is not None:  # train.keep_heap's default reached the process (tests/test_heap.py: what it does)
+        assert summary["heap"] == "the heap kept between steps (blocks up to 32 MiB, trimmed above 1024 MiB free)"
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # rotation kept the newest two plus best; latest points at the final step
     assert (out / "latest").read_text().strip() == "lin-step8"
@@ -94,6 +97,14 @@ def test_run_writes_metrics_summary_curves_and_checkpoints(site, features, tmp_p
     lines = hook_log.read_text().splitlines()
     assert [l for l in lines if l.startswith("step_end")] == [f"step_end {i}" for i in range(1, 9)]
     assert [l for l in lines if l.startswith("checkpoint")][:2] == ["checkpoint 2 lin-step2", "checkpoint 4 lin-step4"]
+
+
+def test_keep_heap_false_leaves_the_c_librarys_heap_policy(site, features, tmp_path):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, "--set", "train.keep_heap=false", steps=2))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heap"] == "the C library's default heap policy (train.keep_heap is off)"
+    assert summary["steps"] == 2 and summary["config"]["train"]["keep_heap"] is False
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

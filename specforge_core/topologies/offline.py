@@ -83,8 +83,8 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     from ..data.prepare import PrepareReport, iter_samples
     from ..data.split import resolve_data_files
     from ..features import STORE_DIR, create_feature_set, finish_feature_set, save_token_counts
-    from ..options import options_to_dict
     from ..heap import keep_heap
+    from ..options import options_to_dict
     from ..threads import apply_threads
 
     apply_threads(plan.train.threads)
