@@ -5,8 +5,9 @@ megabytes every step, and glibc's defaults hand much of that back to the kernel 
 ends: whenever the free memory at the top of the heap exceeds its trim threshold (twice its
 mmap threshold, which it raises up to 32 MiB as large blocks are freed), it shrinks the heap,
 and the next step's allocations fault every page in again, each page zeroed by the kernel. In
-``bench/versus_reference.py``'s Domino step that was 3000-6000 page faults per step, about
-8% of the step's time on a 4 KiB-page virtual machine; 3-6% in DFlash's, ~3% in EAGLE3's.
+``bench/versus_reference.py``'s Domino step that was 3000-6000 page faults per step; kept, the
+DFlash step ran 1.04x and Domino's 1.03x as fast (``bench/versus_commit.py``, 15 interleaved
+pairs, on a virtual machine with 4 KiB pages), EAGLE3's about 3% faster.
 
 :func:`keep_heap` sets both thresholds once for the process: blocks up to 32 MiB (glibc's own
 ceiling for its dynamic threshold) come from the heap, and the heap is trimmed only when more
