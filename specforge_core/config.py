@@ -70,8 +70,8 @@ class TrainOptions:
                                        "it to the cores you have to yourself.", check=positive)
     keep_heap: bool = option(True, "Keep the C heap's memory between steps instead of handing it back to the system "
                                    "as a step ends and faulting it in again in the next (glibc: blocks up to 32 "
-                                   "MiB from the heap, trimmed only above 1 GiB free; a few percent of a CPU "
-                                   "step). false keeps the C library's defaults, as do glibc's MALLOC_* "
+                                   "MiB from the heap, trimmed only above 1 GiB free; a few percent of a small "
+                                   "draft's CPU step). false keeps the C library's defaults, as do glibc's MALLOC_* "
                                    "environment variables when set.")
     export: bool = option(True, "At the end, export the draft for serving into OUTPUT/export (when the strategy can), "
                                 "in the first format its plugin declares.")
