@@ -44,6 +44,12 @@ WORKER = textwrap.dedent('''
             json.dump({name: [float((sharded[name] - g).abs().max()), float(g.abs().max())]
                        for name, g in single.items()}, fh)
     shutdown()
+    # leave without interpreter teardown, as specforge's launched ranks do (specforge_core.cli._end_rank):
+    # gloo's threads outlive destroy_process_group and can abort the teardown ("terminate called
+    # without an active exception"), failing the launcher after the result was written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 ''')
 
 
