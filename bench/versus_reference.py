@@ -379,15 +379,15 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     from specforge_core.training.optim import fused_adamw
 
     torch.set_num_threads(1)
-    trainer_optimizer = path == "ours" or args.reference == "eager"
-    if trainer_optimizer and not args.system_heap:
+    as_trainer = path == "ours" or args.reference == "eager"
+    if as_trainer and not args.system_heap:
         keep_heap()  # as the trainer does (train.keep_heap)
     strategy, model, batch, tokens = build(name, dtype_name, args, compile=args.compile and path == "ours")
     params = [p for p in model.parameters() if p.requires_grad]
     # ours steps with the optimizer the trainer builds (the fused AdamW kernel); the textbook with AdamW's defaults
-    optimizer = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if trainer_optimizer and fused_adamw(params)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if as_trainer and fused_adamw(params)
                                                       else {}))
-    if trainer_optimizer:
+    if as_trainer:
         def loss_of(step: int):
             return strategy.forward_loss(model, batch, StepContext(global_step=step, total_steps=1000)).loss
     else:

@@ -65,11 +65,25 @@ def test_the_environments_malloc_settings_win_over_keep_heap():
 
 def test_other_c_libraries_keep_their_own_policy(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
-    for name in heap._USER_SETTINGS:
+    for name in heap._USER_SETTINGS + ("GLIBC_TUNABLES",):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     assert heap._glibc() is None
     assert heap.keep_heap() == "the C library's default heap policy (not glibc)"
+
+
+class _RefusingGlibc:
+    """A fake glibc whose ``mallopt`` refuses every setting: this machine's glibc accepts both thresholds, so the
+    refusal can only be staged."""
+
+    def mallopt(self, param: int, value: int) -> int:
+        return 0
+
+
+def test_a_refused_threshold_is_reported_as_the_default_policy(monkeypatch):
+    for name in heap._USER_SETTINGS + ("GLIBC_TUNABLES",):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(heap, "_glibc", _RefusingGlibc)
+    assert heap.keep_heap() == "the C library's default heap policy (glibc refused the thresholds)"
 
 
 def test_keep_heap_is_a_train_option_on_by_default():
