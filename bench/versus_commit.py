@@ -66,7 +66,8 @@ def worker(tree: str, name: str, dtype_name: str, ttt_length: int) -> None:
         if not os.path.abspath(module.__file__).startswith(os.path.abspath(tree) + os.sep):
             sys.exit(f"{module.__name__} came from {module.__file__}, not from {tree}")
     strategy, model, batch, _tokens = versus_reference.build(name, dtype_name,
-                                                             argparse.Namespace(ttt_length=ttt_length, compile=False))
+                                                             argparse.Namespace(ttt_length=ttt_length, compile=False,
+                                                                                shapes="tiny"))
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         from specforge_core.training.optim import fused_adamw

@@ -29,9 +29,11 @@ strategy and dtype:
     python bench/versus_reference.py --strategies eagle3 --dtypes float32 --pairs 9
     python bench/versus_reference.py --compile --reference eager    # what strategy.compile changes
     python bench/versus_reference.py --system-heap                  # ours on glibc's default heap too
+    python bench/versus_reference.py --shapes smollm2               # at a real small model's dimensions
 
-Shapes (defaults): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash family H 128,
-2 layers, block 16, 16 anchors, S 512, B 4, V 1024 (bench/dflash_step.py's ``tiny``).
+Shapes (``--shapes tiny``, the default): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash
+family H 128, 2 layers, block 16, 16 anchors, S 512, B 4, V 1024 (bench/dflash_step.py's ``tiny``).
+``--shapes smollm2``: the same batches and unroll at SmolLM2-135M-Instruct's dimensions (:data:`SHAPES`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,25 @@ OPTIMIZER = {"ours": {"cpu": "AdamW on torch's fused kernel, one call per parame
 HEAP = {"ours": "kept between steps, as the trainer keeps it (train.keep_heap: specforge_core.heap.keep_heap)",
         "reference": "glibc's defaults: the heap's free top handed back to the system as a step ends"}
 
+#: The dimensions each comparison runs at (``--shapes``), per family. ``tiny``: the issue's (EAGLE3's H 256 and
+#: Vd 4096; the DFlash family's, bench/dflash_step.py's ``tiny`` preset). ``smollm2``: SmolLM2-135M-Instruct's own
+#: (H 576, 9 query heads of 64 over 3 key-value heads, MLP 1536, 30 layers, vocabulary 49152; EAGLE3's draft
+#: vocabulary at its 32000 cap) at the same tokens per step.
+SHAPES = {
+    "tiny": {
+        "eagle3": dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, target_layers=16, vocab=4096,
+                       draft_vocab=4096, rope_theta=10000.0, batch=2, seq=512),
+        "dflash_family": dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384, target_layers=8,
+                              vocab=1024, rope_theta=1e6, layers=2, batch=4, seq=512),
+    },
+    "smollm2": {
+        "eagle3": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, target_layers=30,
+                       vocab=49152, draft_vocab=32000, rope_theta=100000.0, batch=2, seq=512),
+        "dflash_family": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, target_layers=30,
+                              vocab=49152, rope_theta=100000.0, layers=2, batch=4, seq=512),
+    },
+}
+
 # -- building the same model and batch in each worker ------------------------------------------------------------
 
 
@@ -136,32 +157,38 @@ def build(name: str, dtype_name: str, args: argparse.Namespace, compile: bool = 
         from specforge_plugin_eagle3 import Eagle3Options
         from specforge_plugin_eagle3.strategy import Eagle3Strategy
 
-        hidden, vocab = 256, 4096
-        target = TargetInfo(num_layers=16, hidden_size=hidden, vocab_size=vocab, dtype=dtype_name, model_id="random",
-                            extra={"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                                   "intermediate_size": 768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        dims = SHAPES[args.shapes]["eagle3"]
+        hidden, vocab = dims["hidden"], dims["vocab"]
+        target = TargetInfo(num_layers=dims["target_layers"], hidden_size=hidden, vocab_size=vocab, dtype=dtype_name,
+                            model_id="random",
+                            extra={"num_attention_heads": dims["heads"], "num_key_value_heads": dims["kv_heads"],
+                                   "head_dim": dims["head_dim"], "intermediate_size": dims["intermediate"],
+                                   "rms_norm_eps": 1e-6, "rope_theta": dims["rope_theta"],
                                    "max_position_embeddings": 32768})
-        strategy = Eagle3Strategy(Eagle3Options(ttt_length=args.ttt_length, draft_vocab_size=vocab,
+        strategy = Eagle3Strategy(Eagle3Options(ttt_length=args.ttt_length, draft_vocab_size=dims["draft_vocab"],
                                                 dtype=dtype_name, compile=compile))
         frozen = {"embed_tokens": torch.randn(vocab, hidden, generator=gen).to(dtype),
                   "lm_head": (torch.randn(vocab, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)}
         model = strategy.build_model(target, frozen, DataStats(token_counts=torch.randint(0, 1000, (vocab,),
                                                                                          generator=gen)))
-        batch_size, seq = 2, 512
+        batch_size, seq = dims["batch"], dims["seq"]
         samples = [{"input_ids": torch.randint(0, vocab, (seq,), generator=gen),
                     "loss_mask": (torch.arange(seq) >= seq // 10).long(),
                     "aux_hidden": torch.randn(seq, 3 * hidden, generator=gen).to(dtype),
                     "last_hidden": torch.randn(seq, hidden, generator=gen).to(dtype)} for _ in range(batch_size)]
     else:
         strategy_class, options_class, extra = _dflash_family(name)
-        hidden, vocab, batch_size, seq = 128, 1024, 4, 512
-        target = TargetInfo(num_layers=8, hidden_size=hidden, vocab_size=vocab, dtype=dtype_name, model_id="random",
-                            extra={"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                                   "intermediate_size": 384, "max_position_embeddings": 32768, "rope_theta": 1e6,
+        dims = SHAPES[args.shapes]["dflash_family"]
+        hidden, vocab, batch_size, seq = dims["hidden"], dims["vocab"], dims["batch"], dims["seq"]
+        target = TargetInfo(num_layers=dims["target_layers"], hidden_size=hidden, vocab_size=vocab, dtype=dtype_name,
+                            model_id="random",
+                            extra={"num_attention_heads": dims["heads"], "num_key_value_heads": dims["kv_heads"],
+                                   "head_dim": dims["head_dim"], "intermediate_size": dims["intermediate"],
+                                   "max_position_embeddings": 32768, "rope_theta": dims["rope_theta"],
                                    "mask_token_id": vocab - 1})
         frozen = {part: (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype)
                   for part in ("embed_tokens", "lm_head")}
-        strategy = strategy_class(options_class(num_layers=2, block_size=16, num_anchors=16, dtype=dtype_name,
+        strategy = strategy_class(options_class(num_layers=dims["layers"], block_size=16, num_anchors=16, dtype=dtype_name,
                                                 compile=compile, **extra), BuildContext())
         model = strategy.build_model(target, frozen, DataStats())
         width = strategy.capture_plan(target).features["target_hidden"].shape[1]
@@ -489,7 +516,8 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     ours, ref = statistics.median(seconds["ours"]), statistics.median(seconds["reference"])
     family = "eagle3" if name == "eagle3" else "dflash_family"
-    return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "threads": 1, "pairs": args.pairs,
+    return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "shapes": args.shapes,
+            "threads": 1, "pairs": args.pairs,
             "ours": "compiled" if args.compile else "eager",
             "reference": {"textbook": "textbook", "compiled": "textbook, compiled", "eager": "ours, eager"}[
                 args.reference],
@@ -507,6 +535,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma separated (default: float32,bfloat16)")
     parser.add_argument("--pairs", type=int, default=7, help="timed step pairs per comparison (default 7)")
     parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE3 unroll steps (default 7)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="tiny",
+                        help="the dimensions: tiny (default; the issue's: EAGLE3 H 256, Vd 4096, the DFlash family "
+                             "H 128, V 1024) or smollm2 (SmolLM2-135M's H 576, 9/3 heads of 64, MLP 1536, V "
+                             "49152; EAGLE3's Vd 32000), both at 1024 tokens a step (B x S) and 1024 block rows")
     parser.add_argument("--compile", action="store_true",
                         help="run ours with the strategy's compile option (its layers under torch.compile; the "
                              "untimed first step compiles, first_step_s_ours says how long)")

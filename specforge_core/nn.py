@@ -157,6 +157,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+#: Output columns per GEMM of :func:`mm_wide` on CPU.
+WIDE_COLUMNS = 1024
+#: The most rows :func:`mm_wide` takes in blocks of columns (a block of the result, rows x WIDE_COLUMNS, is
+#: then at most 2 MiB of float32).
+WIDE_MAX_ROWS = 512
+
+
+def mm_wide(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` (into ``out`` if given) for a ``weight [N, K]`` that may be a vocabulary head.
+
+    On CPU in float32, up to :data:`WIDE_MAX_ROWS` rows of ``x`` against a weight of at least ``8 *
+    WIDE_COLUMNS`` rows run as one GEMM per :data:`WIDE_COLUMNS` rows of the weight, each writing its own
+    columns of the result, whose block then stays in cache through the GEMM's passes over ``K``. Measured
+    on one Zen 4 core (MKL) at SmolLM2's head (K 576, N 49152), into a preallocated result: 64 rows 64
+    GF/s as one GEMM and 78 in blocks, 128 rows 75 and 87, 256 rows 83 and 91, 512 rows 89 and 93, 1024
+    rows 90 and 88 (so more rows stay one GEMM); at N 4096 and fewer blocks gained nothing. Half
+    precision stays one GEMM (native bf16 GEMMs ran 2-4% slower in blocks), as does every other device.
+    """
+    rows, vocab = x.shape[0], weight.shape[0]
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 \
+            or vocab < 8 * WIDE_COLUMNS or rows > WIDE_MAX_ROWS:
+        return torch.mm(x, weight.t(), out=out)
+    if out is None:
+        out = x.new_empty(rows, vocab)
+    for start in range(0, vocab, WIDE_COLUMNS):
+        torch.mm(x, weight[start:start + WIDE_COLUMNS].t(), out=out[:, start:start + WIDE_COLUMNS])
+    return out
+
+
 def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         bias: torch.Tensor | None = None, scale: float | None = None) -> tuple[torch.Tensor,
                                                                                              torch.Tensor]:

@@ -1,11 +1,12 @@
-"""specforge_core.nn.linear: half precision on CPUs without bf16 GEMM instructions runs as float32 GEMMs."""
+"""specforge_core.nn.linear: half precision on CPUs without bf16 GEMM instructions runs as float32 GEMMs; mm_wide:
+a vocabulary-wide float32 head in blocks of columns."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specforge_core import nn as sf_nn
-from specforge_core.nn import Linear, linear, upcast_half_gemm_on_cpu
+from specforge_core.nn import WIDE_COLUMNS, WIDE_MAX_ROWS, Linear, linear, mm_wide, upcast_half_gemm_on_cpu
 
 
 def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_gemm):
@@ -93,3 +94,46 @@ def test_the_upcast_runs_only_where_enough_rows_share_the_weight(half_gemm, rows
     assert ("UpcastLinear" in type(result.grad_fn).__name__) is upcast
     assert result.dtype == torch.bfloat16 and result.shape == (rows, out)
     torch.testing.assert_close(result.float(), F.linear(x.float(), w.float()), rtol=0.02, atol=0.05)
+
+
+def _gemms(fn) -> tuple[object, int]:
+    """``fn()``'s result and how many matrix products it ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.mm:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        result = fn()
+    return result, Count.calls
+
+
+def test_mm_wide_takes_a_vocabulary_wide_float32_weight_in_blocks_of_columns_with_the_same_values():
+    torch.manual_seed(0)
+    x, weight = torch.randn(37, 24), torch.randn(8 * WIDE_COLUMNS + 300, 24)  # a last block of 300 rows
+    out = torch.full((37, weight.shape[0]), float("nan"))
+    result, gemms = _gemms(lambda: mm_wide(x, weight, out=out))
+    assert result is out and gemms == 9
+    blocks = [x @ weight[s:s + WIDE_COLUMNS].t() for s in range(0, weight.shape[0], WIDE_COLUMNS)]
+    assert torch.equal(out, torch.cat(blocks, dim=1))  # every column written, each block one GEMM's product
+    torch.testing.assert_close(out, (x.double() @ weight.double().t()).float(), rtol=1e-5, atol=1e-5)
+    fresh = mm_wide(x, weight)
+    assert fresh.shape == (37, weight.shape[0]) and torch.equal(fresh, out)
+
+
+@pytest.mark.parametrize("dtype, inputs, rows", [(torch.float32, 16, 8 * WIDE_COLUMNS - 1),
+                                                 (torch.float32, WIDE_MAX_ROWS + 1, 8 * WIDE_COLUMNS),
+                                                 (torch.float64, 16, 8 * WIDE_COLUMNS),
+                                                 (torch.bfloat16, 16, 8 * WIDE_COLUMNS)])
+def test_mm_wide_leaves_narrower_weights_more_rows_and_other_dtypes_as_one_gemm(dtype, inputs, rows):
+    torch.manual_seed(0)
+    x, weight = torch.randn(inputs, 8, dtype=dtype), torch.randn(rows, 8, dtype=dtype)
+    result, gemms = _gemms(lambda: mm_wide(x, weight))
+    assert gemms == 1 and torch.equal(result, torch.mm(x, weight.t()))
+    out = torch.empty(inputs, rows, dtype=dtype)
+    assert mm_wide(x, weight, out=out) is out and torch.equal(out, torch.mm(x, weight.t()))

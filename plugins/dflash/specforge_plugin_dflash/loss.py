@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specforge_core.nn import argmax_last, softmax_logsumexp_, upcasts
+from specforge_core.nn import argmax_last, mm_wide, softmax_logsumexp_, upcasts
 
 if TYPE_CHECKING:
     from .dpace import LossWeighting
@@ -155,7 +155,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             rows = hidden[samples, part].reshape(-1, width).to(head.dtype).to(gemm)
             z = logits[:rows.shape[0]]
             if narrow is None:
-                torch.mm(rows, head_g.t(), out=z)
+                mm_wide(rows, head_g, out=z)
             else:
                 z.copy_(torch.mm(rows, head_g.t(), out=narrow[:rows.shape[0]]))
             tile_labels = labels[samples, part]

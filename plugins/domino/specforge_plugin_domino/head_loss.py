@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from specforge_core.nn import upcasts
+from specforge_core.nn import mm_wide, upcasts
 from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms, to_logit_gradient
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ class _DualHead(torch.autograd.Function):
             rows, suffix_shape = tile.numel(), (*tile[:2], bs - start)
             h = hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
             a = activation[samples, part].reshape(-1, rank).to(w2.dtype).to(gemm)
-            base = (h @ head_g.t()).to(acc).view(*tile, -1)  # [b, c, bs, V]
-            final = (a @ w2_g.t()).to(acc).view(*suffix_shape, -1)
+            base = mm_wide(h, head_g).to(acc).view(*tile, -1)  # [b, c, bs, V]
+            final = mm_wide(a, w2_g).to(acc).view(*suffix_shape, -1)
             final += base[:, :, start:]  # [b, c, bs - start, V]: the corrected logits
             tile_labels = labels[samples, part]
             label = tile_labels.reshape(-1, 1)

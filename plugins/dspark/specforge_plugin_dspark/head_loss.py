@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from specforge_core.nn import upcasts
+from specforge_core.nn import mm_wide, upcasts
 from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms
 
 if TYPE_CHECKING:
@@ -93,10 +93,10 @@ class _Distillation(torch.autograd.Function):
             rows = tile.numel()
             h = hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
             e = embedding[samples, part].reshape(rows, rank).to(w2.dtype).to(gemm)
-            z = (h @ head_g.t()).to(acc)
-            z += (e @ w2_g.t()).to(acc)  # [R, V] logits of the tile
-            teacher = torch.softmax((teacher_hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
-                                     @ head_g.t()).to(acc), dim=-1)
+            z = mm_wide(h, head_g).to(acc)
+            z += mm_wide(e, w2_g).to(acc)  # [R, V] logits of the tile
+            teacher = torch.softmax(mm_wide(teacher_hidden[samples, part].reshape(rows, width).to(head.dtype)
+                                            .to(gemm), head_g).to(acc), dim=-1)
             label = labels[samples, part].reshape(rows, 1)
             tile_ce, tile_predictions = softmax_cross_entropy_terms(z, label)
             p = z  # z now holds the draft's softmax

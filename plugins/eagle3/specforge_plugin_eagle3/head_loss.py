@@ -24,7 +24,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specforge_core.nn import Linear, softmax_logsumexp_, upcasts
+from specforge_core.nn import Linear, mm_wide, softmax_logsumexp_, upcasts
 
 #: Elements of one chunk's float32 logits (4 MiB): rows per chunk = this / Vd, at least MIN_CHUNK_ROWS.
 CHUNK_ELEMENTS = 1 << 20
@@ -74,7 +74,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
             end = min(start + step, rows)
             z = dz[start:end] if scratch is None else scratch[:end - start]
             if gemm == acc:
-                torch.mm(x_g[start:end], w_g.t(), out=z)
+                mm_wide(x_g[start:end], w_g, out=z)
             else:
                 z.copy_(x_g[start:end] @ w_g.t())
             p_c, w_c = p[start:end].to(acc), row_weight[start:end].to(acc)
