@@ -88,7 +88,8 @@ KERNELS = {
                              "head_loss): supervised rows only, in chunks whose logits stay in cache (the maximum and "
                              "argmax by a vectorised search over blocks, specforge_core.nn.max_last; torch's softmax "
                              "kernel in place, one exp per logit), gradients by two GEMMs in forward; no [B, S, Vd] "
-                             "tensor kept for backward",
+                             "tensor kept for backward; a float32 head of 8192 rows or more: its logits GEMM in blocks "
+                             "of 1024 columns (specforge_core.nn.mm_wide)",
                       "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per chunk)"},
         "reference_attention": {"cpu": "matmul scores, masked_fill with the dense S x S mask every step",
                                 "cuda": "the same"},
@@ -102,8 +103,12 @@ KERNELS = {
                            "cuda": "SDPA memory-efficient kernel per group (boolean mask)"},
         "ours_loss": {"cpu": "the frozen lm_head fused with the cross-entropy (DSpark: with the L1 distillation "
                              "term, Domino: with the correction head's), a tile of whole blocks at a time (about "
-                             "256K logits, in cache): logits, logsumexp, argmax and the input gradients in one pass, "
-                             "gradients by GEMMs in forward; no logits kept for backward",
+                             "256K logits, in cache; at least 128 rows): logits, logsumexp, argmax and the input "
+                             "gradients in one pass, gradients by GEMMs in forward; no logits kept for backward. A "
+                             "vocabulary-wide float32 head (8192 rows or more): its two products on oneDNN from "
+                             "copies of the frozen head packed once and kept (specforge_core.nn.frozen_head: two "
+                             "more copies of it in memory, made in the untimed first step); where not packed, the "
+                             "logits GEMM in blocks of 1024 columns (specforge_core.nn.mm_wide)",
                       "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per tile)"},
         "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask, K/V "
                                        "heads repeated for GQA",

@@ -1,12 +1,15 @@
 """specforge_core.nn.linear: half precision on CPUs without bf16 GEMM instructions runs as float32 GEMMs; mm_wide:
-a vocabulary-wide float32 head in blocks of columns."""
+a vocabulary-wide float32 head in blocks of columns; frozen_head: a frozen one packed for oneDNN."""
+
+import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specforge_core import nn as sf_nn
-from specforge_core.nn import WIDE_COLUMNS, WIDE_MAX_ROWS, Linear, linear, mm_wide, upcast_half_gemm_on_cpu
+from specforge_core.nn import (WIDE_COLUMNS, WIDE_MAX_ROWS, Linear, frozen_head, linear, mm_wide,
+                               upcast_half_gemm_on_cpu)
 
 
 def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_gemm):
@@ -137,3 +140,47 @@ def test_mm_wide_leaves_narrower_weights_more_rows_and_other_dtypes_as_one_gemm(
     assert gemms == 1 and torch.equal(result, torch.mm(x, weight.t()))
     out = torch.empty(inputs, rows, dtype=dtype)
     assert mm_wide(x, weight, out=out) is out and torch.equal(out, torch.mm(x, weight.t()))
+
+
+PACKS_HERE = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.skipif(not PACKS_HERE, reason="oneDNN's packed heads run on x86-64 CPUs with oneDNN only")
+def test_a_wide_float32_frozen_head_is_packed_once_and_packed_again_when_it_changes():
+    torch.manual_seed(0)
+    head = torch.nn.Parameter(torch.randn(8 * WIDE_COLUMNS + 5, 24), requires_grad=False)
+    x, dz = torch.randn(37, 24), torch.randn(37, head.shape[0])
+    frozen = frozen_head(head, torch.float32)
+    assert frozen.packed and frozen_head(head, torch.float32) is frozen  # kept for the next step
+    torch.testing.assert_close(frozen.logits(x), x @ head.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(frozen.input_grad(dz), dz @ head, rtol=1e-5, atol=1e-3)  # sums of 8197 terms
+    with torch.no_grad():
+        head.mul_(-2.0)  # a head that changes after all (its version moves): packed again, from the new values
+    again = frozen_head(head, torch.float32)
+    assert again is not frozen and again.packed
+    torch.testing.assert_close(again.logits(x), x @ head.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(again.input_grad(dz), dz @ head, rtol=1e-5, atol=2e-3)
+    kept = len(sf_nn._FROZEN_HEADS)
+    del head, frozen, again
+    assert len(sf_nn._FROZEN_HEADS) == kept - 1  # the packed copies go with their head
+
+
+@pytest.mark.parametrize("rows, dtype, head_dtype", [(8 * WIDE_COLUMNS - 1, torch.float32, torch.float32),
+                                                     (8 * WIDE_COLUMNS, torch.float64, torch.float64),
+                                                     (8 * WIDE_COLUMNS, torch.bfloat16, torch.bfloat16)])
+def test_other_frozen_heads_run_torchs_own_products_on_the_head_itself(rows, dtype, head_dtype):
+    torch.manual_seed(0)
+    head = torch.randn(rows, 8, dtype=head_dtype)
+    x, dz = torch.randn(16, 8, dtype=dtype), torch.randn(16, rows, dtype=dtype)
+    frozen = frozen_head(head, dtype)
+    assert not frozen.packed and frozen_head(head, dtype) is not frozen  # nothing kept
+    assert torch.equal(frozen.logits(x), x @ head.t()) and torch.equal(frozen.input_grad(dz), dz @ head)
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on toggling oneDNN
+def test_a_frozen_head_is_not_packed_with_onednn_turned_off_or_in_an_upcast_it_would_not_keep():
+    head = torch.randn(8 * WIDE_COLUMNS, 8)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not frozen_head(head, torch.float32).packed
+    x = torch.randn(4, 8)
+    assert torch.equal(frozen_head(head, torch.float64).logits(x.double()), x.double() @ head.double().t())

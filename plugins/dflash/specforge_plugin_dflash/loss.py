@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specforge_core.nn import argmax_last, mm_wide, softmax_logsumexp_, upcasts
+from specforge_core.nn import argmax_last, frozen_head, softmax_logsumexp_, upcasts
 
 if TYPE_CHECKING:
     from .dpace import LossWeighting
@@ -144,20 +144,21 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         most = max((samples.stop - samples.start) * (part.stop - part.start) * bs for samples, part in tiles)
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)  # the logits' dtype, as DFlashBackbone.logits gives them
-        head_g = head.to(gemm)
+        frozen = frozen_head(head, gemm)  # packed once for oneDNN where that pays (a wide float32 head)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         predictions = torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grads else None
-        # one buffer for every tile's logits (and one in the GEMMs' dtype when that differs), reused
-        logits = torch.empty(most, vocab, dtype=acc, device=hidden.device)
+        # one buffer for every tile's logits (and one in the GEMMs' dtype when that differs), reused; oneDNN's
+        # products come in buffers of their own
+        logits = None if frozen.packed else torch.empty(most, vocab, dtype=acc, device=hidden.device)
         narrow = None if gemm == acc else torch.empty(most, vocab, dtype=gemm, device=hidden.device)
         for samples, part in tiles:
             rows = hidden[samples, part].reshape(-1, width).to(head.dtype).to(gemm)
-            z = logits[:rows.shape[0]]
             if narrow is None:
-                mm_wide(rows, head_g, out=z)
+                z = frozen.logits(rows, out=None if logits is None else logits[:rows.shape[0]])
             else:
-                z.copy_(torch.mm(rows, head_g.t(), out=narrow[:rows.shape[0]]))
+                z = logits[:rows.shape[0]]
+                z.copy_(frozen.logits(rows, out=narrow[:rows.shape[0]]))
             tile_labels = labels[samples, part]
             label = tile_labels.reshape(-1, 1)
             ce, ids = softmax_cross_entropy_terms(z, label)  # z now holds softmax(z)
@@ -169,7 +170,8 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
                 dz = to_logit_gradient(z, label, w.reshape(-1).to(acc))
                 if narrow is not None:
                     dz = narrow[:rows.shape[0]].copy_(dz)
-                grad_hidden[samples, part] = (dz @ head_g).view(grad_hidden[samples, part].shape)
+                grad_hidden[samples, part] = frozen.input_grad(dz).view(grad_hidden[samples, part].shape)
+            z = dz = None  # a tile's own logits (oneDNN's) go before the next tile's are made
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
         return total, predictions
@@ -197,7 +199,7 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
     runs its GEMMs in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`).
     """
-    return _FrozenHeadCrossEntropy.apply(hidden, head.detach(), labels, weights, chunk_blocks, weighting)
+    return _FrozenHeadCrossEntropy.apply(hidden, head, labels, weights, chunk_blocks, weighting)
 
 
 def acceptance_lengths(correct: torch.Tensor, *, label_shift: int = 0, drafted: int | None = None) -> torch.Tensor:

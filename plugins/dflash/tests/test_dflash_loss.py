@@ -1,6 +1,7 @@
 """The DFlash loss and metrics against independent, explicit per-block computations."""
 
 import math
+import platform
 
 import attrs
 import pytest
@@ -323,3 +324,30 @@ def test_collate_refuses_a_sample_without_a_feature_naming_it_and_the_features_i
     with pytest.raises(CollateError, match=r"sample 'x' has features of different lengths: \{'input_ids': 13, "
                                            r"'loss_mask': 12, 'target_hidden': 13\}"):
         strategy.collate(data, ["x", "y"])
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available(),
+                    reason="oneDNN's packed heads run on x86-64 CPUs with oneDNN only")
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on toggling oneDNN
+def test_the_fused_loss_over_a_packed_vocabulary_wide_head_equals_it_over_the_plain_one():
+    """A float32 head of 8195 rows is packed for oneDNN (specforge_core.nn.frozen_head); the sum, the gradient
+    and the argmax are those of the same loss with oneDNN turned off (MKL over the head as it is)."""
+    from specforge_core.nn import frozen_head
+    from specforge_plugin_dflash.loss import frozen_head_cross_entropy
+
+    gen = torch.Generator().manual_seed(5)
+    head = torch.nn.Parameter(torch.randn(8195, 16, generator=gen), requires_grad=False)
+    hidden = torch.randn(2, 3, 4, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 8195, (2, 3, 4), generator=gen)
+    weights = torch.rand(2, 3, 4, generator=gen)
+    results = []
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            assert frozen_head(head, torch.float32).packed is enabled
+            total, predictions = frozen_head_cross_entropy(hidden, head, labels, weights, 2)
+            (grad,) = torch.autograd.grad(total, hidden)
+        results.append((total, predictions, grad))
+    (packed, packed_ids, packed_grad), (plain, plain_ids, plain_grad) = results
+    assert packed.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert torch.equal(packed_ids, plain_ids)
+    torch.testing.assert_close(packed_grad, plain_grad, rtol=1e-5, atol=1e-5)  # sums of 8195 terms

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from specforge_core.nn import mm_wide, upcasts
+from specforge_core.nn import frozen_head, mm_wide, upcasts
 from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms, to_logit_gradient
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class _DualHead(torch.autograd.Function):
         most = max((samples.stop - samples.start) * (part.stop - part.start) for samples, part in tiles) * bs
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)
-        head_g, w2_g = head.to(gemm), w2.to(gemm)
+        frozen, w2_g = frozen_head(head, gemm), w2.to(gemm)  # the frozen head packed once where that pays
         needed = ctx.needs_input_grad
         base_ce, final_ce = (torch.empty(labels.shape, dtype=acc, device=hidden.device) for _ in range(2))
         base_predictions, predictions = (torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
@@ -88,7 +88,7 @@ class _DualHead(torch.autograd.Function):
             rows, suffix_shape = tile.numel(), (*tile[:2], bs - start)
             h = hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
             a = activation[samples, part].reshape(-1, rank).to(w2.dtype).to(gemm)
-            base = mm_wide(h, head_g).to(acc).view(*tile, -1)  # [b, c, bs, V]
+            base = frozen.logits(h).to(acc).view(*tile, -1)  # [b, c, bs, V]
             final = mm_wide(a, w2_g).to(acc).view(*suffix_shape, -1)
             final += base[:, :, start:]  # [b, c, bs - start, V]: the corrected logits
             tile_labels = labels[samples, part]
@@ -115,11 +115,12 @@ class _DualHead(torch.autograd.Function):
                 d_base.view(*tile, -1)[:, :, start:] += d_final.view(*suffix_shape, -1)
                 d_final_g = d_final.to(gemm)
                 if grad_h is not None:
-                    grad_h[samples, part] = (d_base.to(gemm) @ head_g).view(*tile, width)
+                    grad_h[samples, part] = frozen.input_grad(d_base.to(gemm)).view(*tile, width)
                 if grad_a is not None:
                     grad_a[samples, part] = (d_final_g @ w2_g).view(*suffix_shape, rank)
                 if grad_w2 is not None:
                     grad_w2 += d_final_g.t() @ a
+            base = final = d_base = d_final = d_final_g = None  # a tile's logits go before the next tile's are made
         ctx.save_for_backward(grad_h, grad_a, None if grad_w2 is None else grad_w2.to(w2.dtype))
         ctx.mark_non_differentiable(sums, base_predictions, predictions)
         return lam * sums[0] + (1.0 - lam) * sums[1], sums, base_predictions, predictions
@@ -135,5 +136,5 @@ def dual_head_terms(activation: torch.Tensor, w2: torch.Tensor, terms: DualHeadT
     ``activation [B, c, bs - start, e]`` under the correction's output weight ``w2 [V, e]`` (called by the
     projection's forward, which holds them): the fields of :class:`DualHeadSums`, in order, as plain tensors
     (what FSDP2 hooks on a module's outputs to gather its weights again for backward)."""
-    return _DualHead.apply(terms.hidden, activation, w2, terms.head.detach(), terms.labels, terms.weights,
+    return _DualHead.apply(terms.hidden, activation, w2, terms.head, terms.labels, terms.weights,
                            terms.weighting, terms.suffix_start, float(terms.base_weight))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from specforge_core.nn import mm_wide, upcasts
+from specforge_core.nn import frozen_head, mm_wide, upcasts
 from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class _Distillation(torch.autograd.Function):
         most = max((samples.stop - samples.start) * (part.stop - part.start) for samples, part in tiles) * shape[2]
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)
-        head_g, w2_g = head.to(gemm), w2.to(gemm)
+        frozen, w2_g = frozen_head(head, gemm), w2.to(gemm)  # the frozen head packed once where that pays
         grads_needed = any(ctx.needs_input_grad[:3])
         ce, l1 = (torch.empty(shape, dtype=acc, device=hidden.device) for _ in range(2))
         w = torch.empty(shape, dtype=weights.dtype, device=hidden.device)
@@ -93,10 +93,10 @@ class _Distillation(torch.autograd.Function):
             rows = tile.numel()
             h = hidden[samples, part].reshape(rows, width).to(head.dtype).to(gemm)
             e = embedding[samples, part].reshape(rows, rank).to(w2.dtype).to(gemm)
-            z = mm_wide(h, head_g).to(acc)
+            z = frozen.logits(h).to(acc)
             z += mm_wide(e, w2_g).to(acc)  # [R, V] logits of the tile
-            teacher = torch.softmax(mm_wide(teacher_hidden[samples, part].reshape(rows, width).to(head.dtype)
-                                            .to(gemm), head_g).to(acc), dim=-1)
+            teacher = torch.softmax(frozen.logits(teacher_hidden[samples, part].reshape(rows, width).to(head.dtype)
+                                                  .to(gemm)).to(acc), dim=-1)
             label = labels[samples, part].reshape(rows, 1)
             tile_ce, tile_predictions = softmax_cross_entropy_terms(z, label)
             p = z  # z now holds the draft's softmax
@@ -117,11 +117,12 @@ class _Distillation(torch.autograd.Function):
                 dz.scatter_add_(-1, label, -ce_alpha * w_rows)
                 dz_g = dz.to(gemm)
                 if grad_h is not None:
-                    grad_h[samples, part] = (dz_g @ head_g).view(*tile, width)
+                    grad_h[samples, part] = frozen.input_grad(dz_g).view(*tile, width)
                 if grad_e is not None:
                     grad_e[samples, part] = (dz_g @ w2_g).view(*tile, rank)
                 if grad_w2 is not None:
                     grad_w2 += dz_g.t() @ e
+            z = p = teacher = sign = dz = dz_g = None  # a tile's logits go before the next tile's are made
         sums = torch.stack([(w * ce).sum(), (w * l1).sum()])
         accept = (1.0 - l1 / 2).clamp(0.0, 1.0)
         ctx.save_for_backward(grad_h, grad_e, None if grad_w2 is None else grad_w2.to(w2.dtype))
@@ -139,6 +140,6 @@ def distillation_terms(embedding: torch.Tensor, w2: torch.Tensor, terms: Distill
     """The fused terms of the module docstring for a chunk whose previous tokens have Markov ``embedding``
     ``[B, c, bs, r]`` under the Markov head's ``w2 [V, r]`` (called by the head's forward, which holds them)."""
     loss, sums, weights, accept, predictions = _Distillation.apply(
-        terms.hidden, embedding, w2, terms.head.detach(), terms.teacher_hidden.detach(), terms.labels, terms.weights,
+        terms.hidden, embedding, w2, terms.head, terms.teacher_hidden.detach(), terms.labels, terms.weights,
         terms.weighting, terms.ce_alpha, terms.l1_alpha)
     return DistillationSums(loss, sums, weights, accept, predictions)
