@@ -190,12 +190,13 @@ def mm_wide(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
 
 def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :class:`FrozenHead` keeps ``weight`` in ``dtype`` packed for oneDNN: a float32 vocabulary-wide head
-    (at least ``8 * WIDE_COLUMNS`` rows) on an x86-64 CPU whose torch has oneDNN, enabled, in a single process
-    (under torch.distributed the head is FSDP2's to gather, into storage it reuses)."""
+    (at least ``8 * WIDE_COLUMNS`` rows) on an x86-64 CPU whose torch has oneDNN, enabled, outside a process
+    group of several ranks (there the head is FSDP2's to gather, into storage it reuses)."""
     return weight.device.type == "cpu" and dtype == torch.float32 and weight.dim() == 2 \
         and weight.shape[0] >= 8 * WIDE_COLUMNS and platform.machine().lower() in ("x86_64", "amd64") \
         and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled \
-        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                 and torch.distributed.get_world_size() > 1)
 
 
 class FrozenHead:

@@ -184,3 +184,17 @@ def test_a_frozen_head_is_not_packed_with_onednn_turned_off_or_in_an_upcast_it_w
         assert not frozen_head(head, torch.float32).packed
     x = torch.randn(4, 8)
     assert torch.equal(frozen_head(head, torch.float64).logits(x.double()), x.double() @ head.double().t())
+
+
+@pytest.mark.skipif(not PACKS_HERE, reason="oneDNN's packed heads run on x86-64 CPUs with oneDNN only")
+def test_a_frozen_head_is_packed_in_a_process_group_of_one_rank_and_not_of_several(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    head = torch.randn(8 * WIDE_COLUMNS, 8)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert frozen_head(head, torch.float32).packed  # one rank: the head is the process's own
+        monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)  # as a rank of two sees it
+        assert not frozen_head(head, torch.float32).packed  # FSDP2 gathers the head into storage it reuses
+    finally:
+        dist.destroy_process_group()

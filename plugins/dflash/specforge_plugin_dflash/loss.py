@@ -193,7 +193,9 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     their logsumexp, the label's logit, the argmax and — under autograd — the gradient
     ``w (softmax - onehot) head`` for ``hidden`` run while they are in cache, with one exp per logit.
     What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits, and nothing is
-    recomputed. ``head`` gets no gradient (DFlash's is the target's frozen lm_head). ``weighting``
+    recomputed. ``head`` gets no gradient (DFlash's is the target's frozen lm_head): pass the model's own
+    parameter, which :func:`specforge_core.nn.frozen_head` packs for oneDNN once where that pays (a float32
+    vocabulary-wide head on x86-64; its products then come in buffers of their own). ``weighting``
     (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold whole blocks.
     Logits are float32 (float64 for a float64 head), as
     :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
