@@ -193,8 +193,8 @@ def build(name: str, dtype_name: str, args: argparse.Namespace, compile: bool = 
                                    "mask_token_id": vocab - 1})
         frozen = {part: (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype)
                   for part in ("embed_tokens", "lm_head")}
-        strategy = strategy_class(options_class(num_layers=dims["layers"], block_size=16, num_anchors=16, dtype=dtype_name,
-                                                compile=compile, **extra), BuildContext())
+        strategy = strategy_class(options_class(num_layers=dims["layers"], block_size=16, num_anchors=16,
+                                                dtype=dtype_name, compile=compile, **extra), BuildContext())
         model = strategy.build_model(target, frozen, DataStats())
         width = strategy.capture_plan(target).features["target_hidden"].shape[1]
         samples = []
