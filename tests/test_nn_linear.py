@@ -166,15 +166,42 @@ def test_a_wide_float32_frozen_head_is_packed_once_and_packed_again_when_it_chan
 
 
 @pytest.mark.parametrize("rows, dtype, head_dtype", [(8 * WIDE_COLUMNS - 1, torch.float32, torch.float32),
+                                                     (8 * WIDE_COLUMNS - 1, torch.bfloat16, torch.bfloat16),
                                                      (8 * WIDE_COLUMNS, torch.float64, torch.float64),
+                                                     (8 * WIDE_COLUMNS, torch.float16, torch.float16),
                                                      (8 * WIDE_COLUMNS, torch.bfloat16, torch.bfloat16)])
-def test_other_frozen_heads_run_torchs_own_products_on_the_head_itself(rows, dtype, head_dtype):
+def test_other_frozen_heads_run_torchs_own_products_on_the_head_itself(half_gemm, rows, dtype, head_dtype):
+    """Narrower heads, float64 and float16, and bf16 where the CPU's bf16 linears run as float32 GEMMs (the
+    upcast route: the losses then ask for the head in float32, not bf16)."""
+    half_gemm("fp32")
     torch.manual_seed(0)
     head = torch.randn(rows, 8, dtype=head_dtype)
     x, dz = torch.randn(16, 8, dtype=dtype), torch.randn(16, rows, dtype=dtype)
     frozen = frozen_head(head, dtype)
     assert not frozen.packed and frozen_head(head, dtype) is not frozen  # nothing kept
     assert torch.equal(frozen.logits(x), x @ head.t()) and torch.equal(frozen.input_grad(dz), dz @ head)
+
+
+BF16_PACKS_HERE = PACKS_HERE and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not BF16_PACKS_HERE, reason="oneDNN's packed bf16 heads need an x86-64 CPU with oneDNN's bf16")
+def test_a_wide_bf16_frozen_head_is_packed_where_bf16_gemms_run_natively(half_gemm):
+    """On the native route a bf16 head is packed as a float32 one is, and its products are the float32 ones
+    rounded to bf16; on the upcast route it is not packed."""
+    half_gemm("native")
+    torch.manual_seed(0)
+    head = torch.nn.Parameter(torch.randn(8 * WIDE_COLUMNS + 3, 32).to(torch.bfloat16), requires_grad=False)
+    x, dz = torch.randn(40, 32).to(torch.bfloat16), torch.randn(40, head.shape[0]).to(torch.bfloat16)
+    frozen = frozen_head(head, torch.bfloat16)
+    assert frozen.packed and frozen_head(head, torch.bfloat16) is frozen
+    logits, grad = frozen.logits(x), frozen.input_grad(dz)
+    assert logits.dtype == grad.dtype == torch.bfloat16
+    # sums of products accumulated in float32 and rounded once to bf16 (8 significant bits)
+    torch.testing.assert_close(logits.float(), x.float() @ head.float().t(), rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(grad.float(), dz.float() @ head.float(), rtol=2 ** -8, atol=1e-2)
+    half_gemm("fp32")
+    assert not frozen_head(head, torch.bfloat16).packed
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on toggling oneDNN

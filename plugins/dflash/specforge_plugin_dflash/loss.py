@@ -144,13 +144,13 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         most = max((samples.stop - samples.start) * (part.stop - part.start) * bs for samples, part in tiles)
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)  # the logits' dtype, as DFlashBackbone.logits gives them
-        frozen = frozen_head(head, gemm)  # packed once for oneDNN where that pays (a wide float32 head)
+        frozen = frozen_head(head, gemm)  # packed once for oneDNN where that pays (a vocabulary-wide head)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         predictions = torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grads else None
         # one buffer for every tile's logits (and one in the GEMMs' dtype when that differs), reused; oneDNN's
         # products come in buffers of their own
-        logits = None if frozen.packed else torch.empty(most, vocab, dtype=acc, device=hidden.device)
+        logits = None if frozen.packed and gemm == acc else torch.empty(most, vocab, dtype=acc, device=hidden.device)
         narrow = None if gemm == acc else torch.empty(most, vocab, dtype=gemm, device=hidden.device)
         for samples, part in tiles:
             rows = hidden[samples, part].reshape(-1, width).to(head.dtype).to(gemm)
@@ -194,9 +194,10 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     ``w (softmax - onehot) head`` for ``hidden`` run while they are in cache, with one exp per logit.
     What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits, and nothing is
     recomputed. ``head`` gets no gradient (DFlash's is the target's frozen lm_head): pass the model's own
-    parameter, which :func:`specforge_core.nn.frozen_head` packs for oneDNN once where that pays (a float32
-    vocabulary-wide head on x86-64; its products then come in buffers of their own). ``weighting``
-    (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold whole blocks.
+    parameter, which :func:`specforge_core.nn.frozen_head` packs for oneDNN once where that pays (a
+    vocabulary-wide head on x86-64, in float32 or native bf16; its products then come in buffers of their
+    own). ``weighting`` (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold
+    whole blocks.
     Logits are float32 (float64 for a float64 head), as
     :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
     runs its GEMMs in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`).

@@ -351,3 +351,33 @@ def test_the_fused_loss_over_a_packed_vocabulary_wide_head_equals_it_over_the_pl
     assert packed.item() == pytest.approx(plain.item(), rel=1e-6)
     assert torch.equal(packed_ids, plain_ids)
     torch.testing.assert_close(packed_grad, plain_grad, rtol=1e-5, atol=1e-5)  # sums of 8195 terms
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available()
+                    or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN's packed bf16 heads need an x86-64 CPU with oneDNN's bf16")
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on toggling oneDNN
+def test_the_fused_loss_over_a_packed_bf16_head_equals_it_over_the_plain_one(half_gemm):
+    """On the native bf16 route a bf16 head of 8195 rows is packed too; its loss is the float32-logit loss
+    of the unpacked bf16 GEMMs (oneDNN off) within float32 summation order, with the same argmax."""
+    from specforge_core.nn import frozen_head
+    from specforge_plugin_dflash.loss import frozen_head_cross_entropy
+
+    half_gemm("native")
+    gen = torch.Generator().manual_seed(6)
+    head = torch.nn.Parameter(torch.randn(8195, 16, generator=gen).to(torch.bfloat16), requires_grad=False)
+    hidden = torch.randn(2, 3, 4, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 8195, (2, 3, 4), generator=gen)
+    weights = torch.rand(2, 3, 4, generator=gen)
+    results = []
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            assert frozen_head(head, torch.bfloat16).packed is enabled
+            total, predictions = frozen_head_cross_entropy(hidden, head, labels, weights, 2)
+            (grad,) = torch.autograd.grad(total, hidden)
+        results.append((total, predictions, grad))
+    (packed, packed_ids, packed_grad), (plain, plain_ids, plain_grad) = results
+    assert packed.dtype == torch.float32 and packed_grad.dtype == torch.bfloat16
+    assert packed.item() == pytest.approx(plain.item(), rel=1e-5)
+    assert torch.equal(packed_ids, plain_ids)
+    torch.testing.assert_close(packed_grad.float(), plain_grad.float(), rtol=2 ** -7, atol=1e-2)
