@@ -148,17 +148,19 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=hidden.device)
         predictions = torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grads else None
-        # one buffer for every tile's logits (and one in the GEMMs' dtype when that differs), reused; oneDNN's
-        # products come in buffers of their own
+        # one buffer for every tile's logits, reused, and where the GEMMs run in another dtype one for their
+        # product (then the logits' gradient in that dtype); oneDNN's products come in buffers of their own,
+        # and a packed head's product in the GEMMs' dtype holds that gradient in turn
         logits = None if frozen.packed and gemm == acc else torch.empty(most, vocab, dtype=acc, device=hidden.device)
-        narrow = None if gemm == acc else torch.empty(most, vocab, dtype=gemm, device=hidden.device)
+        narrow = None if gemm == acc or frozen.packed else torch.empty(most, vocab, dtype=gemm, device=hidden.device)
         for samples, part in tiles:
             rows = hidden[samples, part].reshape(-1, width).to(head.dtype).to(gemm)
-            if narrow is None:
-                z = frozen.logits(rows, out=None if logits is None else logits[:rows.shape[0]])
+            count, low = rows.shape[0], None
+            if gemm == acc:
+                z = frozen.logits(rows, out=None if logits is None else logits[:count])
             else:
-                z = logits[:rows.shape[0]]
-                z.copy_(frozen.logits(rows, out=narrow[:rows.shape[0]]))
+                low = frozen.logits(rows, out=None if narrow is None else narrow[:count])
+                z = logits[:count].copy_(low)
             tile_labels = labels[samples, part]
             label = tile_labels.reshape(-1, 1)
             ce, ids = softmax_cross_entropy_terms(z, label)  # z now holds softmax(z)
@@ -168,10 +170,10 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             predictions[samples, part] = ids.view(ce.shape)
             if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the tile is in cache
                 dz = to_logit_gradient(z, label, w.reshape(-1).to(acc))
-                if narrow is not None:
-                    dz = narrow[:rows.shape[0]].copy_(dz)
+                if low is not None:
+                    dz = low.copy_(dz)
                 grad_hidden[samples, part] = frozen.input_grad(dz).view(grad_hidden[samples, part].shape)
-            z = dz = None  # a tile's own logits (oneDNN's) go before the next tile's are made
+            z = dz = low = None  # a tile's own logits (oneDNN's) go before the next tile's are made
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
         return total, predictions
