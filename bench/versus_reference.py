@@ -105,10 +105,11 @@ KERNELS = {
                              "term, Domino: with the correction head's), a tile of whole blocks at a time (about "
                              "256K logits, in cache; at least 128 rows): logits, logsumexp, argmax and the input "
                              "gradients in one pass, gradients by GEMMs in forward; no logits kept for backward. A "
-                             "vocabulary-wide float32 head (8192 rows or more): its two products on oneDNN from "
-                             "copies of the frozen head packed once and kept (specforge_core.nn.frozen_head: two "
-                             "more copies of it in memory, made in the untimed first step); where not packed, the "
-                             "logits GEMM in blocks of 1024 columns (specforge_core.nn.mm_wide)",
+                             "vocabulary-wide head (8192 rows or more) in float32, or in bf16 where the CPU has "
+                             "bf16 GEMMs: its two products on oneDNN from copies of the frozen head packed once "
+                             "and kept (specforge_core.nn.frozen_head: two more copies of it in memory, made in "
+                             "the untimed first step); a float32 one not packed: the logits GEMM in blocks of "
+                             "1024 columns (specforge_core.nn.mm_wide)",
                       "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per tile)"},
         "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask, K/V "
                                        "heads repeated for GQA",
