@@ -5,7 +5,8 @@ forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
     blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
     pattern = grouped_block_attention(anchors, lengths)           groups of blocks: context prefix + own blocks
     hidden  = model(target_hidden, block ids, positions, pattern) [B, N*bs, H]
-    Σw·CE   = frozen_head_cross_entropy(hidden, lm_head, labels, weights)   fused, per chunk; w: decay or D-PACE
+    Σw·CE   = frozen_head_cross_entropy(hidden, lm_head, labels, weights)   fused, per chunk; w: decay or D-PACE;
+                                                               block positions 1.. (position 0 is the anchor)
     loss    = Σw·CE / Σw                                               D-PACE: Σw·CE / batch size
 """
 
@@ -177,8 +178,12 @@ class DFlashStrategy:
         hidden = self.block_hidden(model, batch, blocks)
         weighting = self.loss_weighting
         weights = weighting.position_weights(blocks.weights, blocks.label_mask)
-        weighted_ce, predictions = frozen_head_cross_entropy(hidden, model.lm_head, blocks.labels, weights,
-                                                             self.options.logit_chunk_size, weighting=weighting)
+        # a block's position 0 holds its anchor and is never supervised (weight 0, outside label_mask, and
+        # D-PACE's products skip it): its logits are not computed, 1/bs of the head's GEMMs
+        weighted_ce, drafted = frozen_head_cross_entropy(hidden[:, :, 1:], model.lm_head, blocks.labels[..., 1:],
+                                                         weights[..., 1:], self.options.logit_chunk_size,
+                                                         weighting=weighting)
+        predictions = torch.cat([blocks.labels[..., :1], drafted], dim=-1)  # the anchor as its own "prediction"
         loss, weight = weighting.normalize(weighted_ce, weights, batch_size=blocks.anchors.shape[0])
         ratios = {"loss": (float(weighted_ce.detach()), weight),
                   **block_metrics(predictions, blocks.labels, blocks.label_mask, blocks.keep),

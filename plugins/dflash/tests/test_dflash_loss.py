@@ -99,6 +99,34 @@ def test_loss_accuracy_and_acceptance_match_an_explicit_per_block_computation(ga
     assert out.ratio_metrics["no_anchor_samples"] == (0.0, 2.0)
 
 
+def test_the_anchor_position_of_each_block_never_reaches_the_head():
+    """Block position 0 holds the anchor and is never supervised: the step's logits GEMMs take the other
+    bs - 1 rows of every block, and nothing else (the loss and metrics stay those of the explicit
+    per-block computation above, which computes every position)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    info, frozen = tiny_target()
+    strategy = DFlashStrategy(DFlashOptions(block_size=4, num_anchors=3, attention="eager", logit_chunk_size=2),
+                              BuildContext())
+    torch.manual_seed(0)
+    model = strategy.build_model(info, frozen, DataStats())
+    model.lm_head.data = frozen["lm_head"]
+    batch = strategy.collate(samples(strategy, info), ["x", "y"])
+    head = model.lm_head.data_ptr()
+    rows = []
+
+    class HeadRows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and args[1].data_ptr() == head \
+                    and args[1].shape == (HIDDEN, VOCAB):  # x @ head^T: the logits
+                rows.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    with HeadRows():
+        strategy.forward_loss(model, batch, StepContext(global_step=4, total_steps=10)).loss.backward()
+    assert sum(rows) == 2 * 3 * (4 - 1)  # B x N x (bs - 1)
+
+
 def test_chunked_cross_entropy_equals_the_unchunked_loss_and_gradients():
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 5, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)  # [B, N, bs, H]
