@@ -193,13 +193,14 @@ def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     least ``8 * WIDE_COLUMNS`` rows) in float32, or in bf16 on a CPU with bf16 GEMM instructions (where
     :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
     several ranks (there the head is FSDP2's to gather, into storage it reuses)."""
-    native_bf16 = dtype == torch.bfloat16 and not upcast_half_gemm_on_cpu() \
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.device.type == "cpu" and (dtype == torch.float32 or native_bf16) and weight.dim() == 2 \
-        and weight.shape[0] >= 8 * WIDE_COLUMNS and platform.machine().lower() in ("x86_64", "amd64") \
-        and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled \
-        and not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                 and torch.distributed.get_world_size() > 1)
+    if not (weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and weight.shape[0] >= 8 * WIDE_COLUMNS and platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if dtype == torch.bfloat16 and (upcast_half_gemm_on_cpu() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1)
 
 
 class FrozenHead:
