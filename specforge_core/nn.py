@@ -188,11 +188,19 @@ def mm_wide(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
+#: ``SPECFORGE_CPU_PACK_HEAD``: ``off`` (or ``0``/``false``/``no``) keeps :class:`FrozenHead` from packing a
+#: head (no extra copies of it; torch's GEMMs over the head itself), anything else or unset lets it pack.
+PACK_HEAD_ENV = "SPECFORGE_CPU_PACK_HEAD"
+
+
 def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :class:`FrozenHead` keeps ``weight`` in ``dtype`` packed for oneDNN: a vocabulary-wide head (at
     least ``8 * WIDE_COLUMNS`` rows) in float32, or in bf16 on a CPU with bf16 GEMM instructions (where
     :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
-    several ranks (there the head is FSDP2's to gather, into storage it reuses)."""
+    several ranks (there the head is FSDP2's to gather, into storage it reuses), unless :data:`PACK_HEAD_ENV`
+    turns it off."""
+    if os.environ.get(PACK_HEAD_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return False
     if not (weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and weight.shape[0] >= 8 * WIDE_COLUMNS and platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):

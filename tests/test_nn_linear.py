@@ -204,6 +204,21 @@ def test_a_wide_bf16_frozen_head_is_packed_where_bf16_gemms_run_natively(half_ge
     assert not frozen_head(head, torch.bfloat16).packed
 
 
+@pytest.mark.skipif(not PACKS_HERE, reason="oneDNN's packed heads run on x86-64 CPUs with oneDNN only")
+@pytest.mark.parametrize("value, packs", [("off", False), ("0", False), (" False ", False), ("no", False),
+                                          ("on", True), ("", True)])
+def test_the_environment_turns_packing_off(monkeypatch, value, packs):
+    """SPECFORGE_CPU_PACK_HEAD=off: no packed copies of the head (the memory they cost, 2 x V x H x 4 bytes in
+    float32, stays free); the products are then torch's over the head itself, the same values."""
+    monkeypatch.setenv(sf_nn.PACK_HEAD_ENV, value)
+    torch.manual_seed(0)
+    head = torch.randn(8 * WIDE_COLUMNS, 8)
+    x = torch.randn(4, 8)
+    frozen = frozen_head(head, torch.float32)
+    assert frozen.packed is packs
+    torch.testing.assert_close(frozen.logits(x), x @ head.t(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on toggling oneDNN
 def test_a_frozen_head_is_not_packed_with_onednn_turned_off_or_in_an_upcast_it_would_not_keep():
     head = torch.randn(8 * WIDE_COLUMNS, 8)
