@@ -21,6 +21,15 @@ from torch import nn
 HALF_GEMM_ENV = "SPECFORGE_CPU_HALF_GEMM"
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name``, stripped and lower-cased: one of ``choices``, or ``""`` when unset or
+    empty; any other value raises, naming the variable and what it takes (a misspelt switch is not ignored)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value and value not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected {' or '.join(choices)}, or unset")
+    return value
+
+
 @torch.compiler.assume_constant_result
 def upcast_half_gemm_on_cpu() -> bool:
     """Whether :func:`linear` runs bf16/fp16 matmuls on CPU as float32 GEMMs of upcast operands.
@@ -40,8 +49,8 @@ def upcast_half_gemm_on_cpu() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _half_gemm_choice() -> bool:
-    choice = os.environ.get(HALF_GEMM_ENV, "").strip().lower()
-    if choice in ("fp32", "native"):
+    choice = _env_choice(HALF_GEMM_ENV, ("fp32", "native"))
+    if choice:
         return choice == "fp32"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -188,8 +197,8 @@ def mm_wide(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
-#: ``SPECFORGE_CPU_PACK_HEAD``: ``off`` (or ``0``/``false``/``no``) keeps :class:`FrozenHead` from packing a
-#: head (no extra copies of it; torch's GEMMs over the head itself), anything else or unset lets it pack.
+#: ``SPECFORGE_CPU_PACK_HEAD``: ``off`` keeps :class:`FrozenHead` from packing a head (no extra copies of it;
+#: torch's GEMMs over the head itself); ``on`` or unset lets it pack where that pays.
 PACK_HEAD_ENV = "SPECFORGE_CPU_PACK_HEAD"
 
 
@@ -199,7 +208,7 @@ def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
     several ranks (there the head is FSDP2's to gather, into storage it reuses), unless :data:`PACK_HEAD_ENV`
     turns it off."""
-    if os.environ.get(PACK_HEAD_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+    if _env_choice(PACK_HEAD_ENV, ("on", "off")) == "off":
         return False
     if not (weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and weight.shape[0] >= 8 * WIDE_COLUMNS and platform.machine().lower() in ("x86_64", "amd64")
