@@ -53,12 +53,12 @@ from typing import Any
 STRATEGIES = ("eagle3", "dflash", "domino", "dspark")
 
 #: What each path executes, per strategy: {path: {"cpu": ..., "cuda": ...}}.
-#: ours' bfloat16 linears on CPU, by whether the CPU has bf16 GEMM instructions (kernels() picks the line)
-_HALF = {True: "; bfloat16 linears as float32 GEMMs of upcast operands (this CPU has no bf16 GEMM instructions: "
-               "specforge_core.nn.linear)",
-         False: "; bfloat16 linears on torch's native bf16 GEMM (this CPU has bf16 GEMM instructions)"}
+#: ours' bfloat16 linears on CPU, by whether they are upcast here (kernels() picks the line)
+_HALF = {True: "; bfloat16 linears as float32 GEMMs of upcast operands (torch's own bf16 GEMM is the slower on this "
+               "CPU: no bf16 GEMM instructions, or AVX512-BF16 without AMX on Intel; specforge_core.nn.linear)",
+         False: "; bfloat16 linears on torch's native bf16 GEMM (faster here than float32: AMX, or AVX512-BF16 on AMD)"}
 #: the reference's bfloat16 GEMMs on CPU, likewise
-_HALF_REFERENCE = {True: " (bf16 GEMM without bf16 instructions)", False: " (native bf16 GEMM)"}
+_HALF_REFERENCE = {True: " (torch's bf16 GEMM, the slower on this CPU)", False: " (native bf16 GEMM)"}
 KERNELS = {
     "linears": {"ours": {"cpu": "float32: MKL sgemm", "cuda": "cuBLAS, native bf16 tensor cores"},
                 "reference": {"cpu": "torch's own kernels in the step's dtype", "cuda": "cuBLAS, native bf16"},

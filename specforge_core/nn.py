@@ -17,8 +17,14 @@ from torch import nn
 
 
 #: ``SPECFORGE_CPU_HALF_GEMM``: ``fp32`` (bf16/fp16 linears on CPU run as float32 GEMMs), ``native``
-#: (as torch runs them), or unset (``fp32`` where the CPU lacks bf16 instructions).
+#: (as torch runs them), or unset (``fp32`` where torch's bf16 GEMM is slower than its float32 one here).
 HALF_GEMM_ENV = "SPECFORGE_CPU_HALF_GEMM"
+
+#: The fewest rows sharing a weight for which a float32 GEMM of upcast operands beats torch's half-precision
+#: one, on a CPU without bf16 GEMM instructions (see :func:`upcast_pays`).
+UPCAST_ROWS = 4
+#: The same on an Intel CPU with AVX512-BF16 but no AMX, where torch's bf16 GEMM ran at half its float32 rate.
+UPCAST_ROWS_BF16_DOT = 64
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -32,44 +38,73 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str:
 
 @torch.compiler.assume_constant_result
 def upcast_half_gemm_on_cpu() -> bool:
-    """Whether :func:`linear` runs bf16/fp16 matmuls on CPU as float32 GEMMs of upcast operands.
+    """Whether :func:`linear` runs bf16/fp16 matmuls on CPU as float32 GEMMs of upcast operands (where enough
+    rows share the weight: :func:`upcast_pays`).
 
-    Without AVX512-BF16 or AMX (x86) a CPU has no bf16 GEMM instructions, and torch's bf16
-    GEMM there ran 10-40x slower than the float32 one on the same shapes
-    (``bench/versus_reference.py``); the float32 GEMM accumulates in float32 as a native bf16
-    GEMM does, so results differ by summation order only. CUDA and CPUs with those
-    instructions keep the native kernels. ``SPECFORGE_CPU_HALF_GEMM=fp32|native`` overrides.
+    Where torch's bf16 GEMM is slower than its float32 one, by the CPU's ``/proc/cpuinfo``
+    (:func:`half_gemm_route`): on a CPU without AVX512-BF16 or AMX it ran 10-40x slower on the same
+    shapes, and on an Intel CPU with AVX512-BF16 but no AMX (a virtual machine that hides AMX, or one
+    that predates it) at half the float32 rate (oneDNN's bf16 kernel: 81 GF/s against 153-160 for
+    float32, one Xeon core). The float32 GEMM accumulates in float32 as a native bf16 GEMM does, so
+    results differ by summation order only. CUDA, AMX and AVX512-BF16 elsewhere (AMD's Zen 4: 210 GF/s
+    in bf16 against 94 in float32) keep the native kernels. ``SPECFORGE_CPU_HALF_GEMM=fp32|native``
+    overrides.
 
     Decided once per process (``upcast_half_gemm_on_cpu.cache_clear()`` forgets it). A layer under
     ``torch.compile`` takes the answer as a constant of its graph: traced, the reading of
     ``/proc/cpuinfo`` broke a bf16 layer's graph at every linear (24 graph breaks a DFlash step).
     """
-    return _half_gemm_choice()
+    return _half_gemm_choice() is not None
+
+
+@torch.compiler.assume_constant_result
+def upcast_min_rows() -> int:
+    """The fewest rows sharing a weight for which :func:`upcast_pays` may hold: :data:`UPCAST_ROWS`, or
+    :data:`UPCAST_ROWS_BF16_DOT` where the CPU's own bf16 GEMM is only half as fast as float32 (unset
+    ``SPECFORGE_CPU_HALF_GEMM``; ``fp32`` takes :data:`UPCAST_ROWS`)."""
+    return _half_gemm_choice() or UPCAST_ROWS
 
 
 @functools.lru_cache(maxsize=1)
-def _half_gemm_choice() -> bool:
+def _half_gemm_choice() -> int | None:
     choice = _env_choice(HALF_GEMM_ENV, ("fp32", "native"))
     if choice:
-        return choice == "fp32"
+        return UPCAST_ROWS if choice == "fp32" else None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "").split()
+            lines = [line for line in fh if line.startswith(("flags", "vendor_id"))]
     except OSError:  # not Linux: leave torch's kernels alone
-        return False
-    return bool(flags) and not {"avx512_bf16", "amx_bf16"} & set(flags)
+        return None
+    flags = next((line for line in lines if line.startswith("flags")), ":").split(":", 1)[1].split()
+    vendor = next((line for line in lines if line.startswith("vendor_id")), ":").split(":", 1)[1].strip()
+    return half_gemm_route(set(flags), vendor)
+
+
+def half_gemm_route(flags: set[str], vendor: str) -> int | None:
+    """For an x86 CPU with these ``/proc/cpuinfo`` ``flags`` and ``vendor_id``: the fewest rows at which
+    half-precision linears run as float32 GEMMs of upcast operands, or None where torch's own kernels
+    stay (AMX; AVX512-BF16 on CPUs other than Intel's; no x86 flags at all, as on ARM)."""
+    if not flags or "amx_bf16" in flags:
+        return None
+    if "avx512_bf16" not in flags:
+        return UPCAST_ROWS
+    return UPCAST_ROWS_BF16_DOT if vendor == "GenuineIntel" else None
 
 
 upcast_half_gemm_on_cpu.cache_clear = _half_gemm_choice.cache_clear  # type: ignore[attr-defined]
 
 
 #: Rows of an upcast linear are converted a chunk at a time, about this many float32 elements per chunk
-#: (256 KiB), so the float32 copies an upcast GEMM makes stay that small, not the size of its input.
+#: (256 KiB), so the float32 copies an upcast GEMM makes stay that small, not the size of its input...
 UPCAST_CHUNK_ELEMENTS = 1 << 16
+#: ... but never fewer rows than this a chunk: each chunk is a GEMM against the whole weight, and at a
+#: vocabulary's width the element budget alone made chunks of one row, a GEMV each (an EAGLE3 teacher's 1024
+#: rows through SmolLM2's 49152 x 576 head: 6.2 s as 1024 GEMVs, 0.4 s in chunks of 128 rows).
+UPCAST_MIN_CHUNK_ROWS = 128
 
 
 def _row_chunks(rows: int, width: int) -> list[slice]:
-    step = max(1, UPCAST_CHUNK_ELEMENTS // max(1, width))
+    step = max(UPCAST_MIN_CHUNK_ROWS, UPCAST_CHUNK_ELEMENTS // max(1, width), 1)
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
@@ -77,8 +112,9 @@ class _UpcastLinear(torch.autograd.Function):
     """``x @ w.T (+ b)`` with half-precision operands, computed as float32 GEMMs and rounded back.
 
     Keeps only the half-precision inputs for backward (no float32 copies outlive the call), and
-    converts the rows a chunk at a time (:data:`UPCAST_CHUNK_ELEMENTS`), so the transient float32
-    copy of a large input is one chunk's, not the whole input's.
+    converts the rows a chunk at a time (:data:`UPCAST_CHUNK_ELEMENTS`, at least
+    :data:`UPCAST_MIN_CHUNK_ROWS` rows), so the transient float32 copy of a large input is one chunk's, not
+    the whole input's.
     """
 
     @staticmethod
@@ -147,22 +183,27 @@ def upcast_pays(rows: int, weight_numel: int) -> bool:
     one row, 0.05-0.7 for every weight (a 49152 x 640 vocabulary head: 7 ms native, 98 ms
     upcast); weights up to 4M elements break even at about 4 rows (2-5x faster upcast from 8),
     weights from 8M elements at about 24 rows. So: at least 4 rows, and at least 24 for a
-    weight of :data:`LARGE_WEIGHT` elements or more. Training batches are far above both;
-    speculative decoding's single-row draft steps stay on torch's kernel.
+    weight of :data:`LARGE_WEIGHT` elements or more. Where torch's bf16 GEMM runs at half the
+    float32 rate instead (:func:`upcast_min_rows`), forward and backward of 576-wide weights broke
+    even at about 64 rows (1536 x 576: 0.95 at 64 rows, 1.31 at 256; 4096 x 576: 1.02 and 1.39),
+    so there at least 64, which a fused loss's tiles of a frozen head, converted once, pass (a
+    threshold of 128 left DFlash's 120-row tiles of SmolLM2's head on torch's bf16 GEMM: 2.2-2.3 s
+    a step instead of 1.9-2.0). Training batches are far above these; speculative decoding's
+    draft steps of one row or one block stay on torch's kernel.
     """
-    return rows >= 4 and (rows >= 24 or weight_numel < LARGE_WEIGHT)
+    return rows >= upcast_min_rows() and (rows >= 24 or weight_numel < LARGE_WEIGHT)
 
 
 def upcasts(rows: int, weight: torch.Tensor) -> bool:
-    """Whether ``rows`` rows through half-precision ``weight`` run as float32 GEMMs here: a CPU without bf16
-    GEMM instructions (:func:`upcast_half_gemm_on_cpu`) and enough rows to pay for it (:func:`upcast_pays`)."""
+    """Whether ``rows`` rows through half-precision ``weight`` run as float32 GEMMs here: a CPU whose own bf16
+    GEMM is the slower one (:func:`upcast_half_gemm_on_cpu`) and enough rows to pay for it (:func:`upcast_pays`)."""
     return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu" \
         and upcast_half_gemm_on_cpu() and upcast_pays(rows, weight.numel())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that bf16/fp16 on a CPU without bf16 GEMM instructions runs in float32
-    when enough rows share the weight (:func:`upcasts`); the result has ``x``'s dtype either way."""
+    """``F.linear``, except that bf16/fp16 on a CPU whose own bf16 GEMM is slower than float32 runs in
+    float32 when enough rows share the weight (:func:`upcasts`); the result has ``x``'s dtype either way."""
     if x.dtype == weight.dtype and upcasts(x.numel() // max(1, x.shape[-1]), weight):
         return _UpcastLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -204,8 +245,8 @@ PACK_HEAD_ENV = "SPECFORGE_CPU_PACK_HEAD"
 
 def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :class:`FrozenHead` keeps ``weight`` in ``dtype`` packed for oneDNN: a vocabulary-wide head (at
-    least ``8 * WIDE_COLUMNS`` rows) in float32, or in bf16 on a CPU with bf16 GEMM instructions (where
-    :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
+    least ``8 * WIDE_COLUMNS`` rows) in float32, or in bf16 on a CPU whose bf16 GEMMs run natively
+    (where :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
     several ranks (there the head is FSDP2's to gather, into storage it reuses), unless :data:`PACK_HEAD_ENV`
     turns it off."""
     if _env_choice(PACK_HEAD_ENV, ("on", "off")) == "off":
@@ -225,7 +266,7 @@ class FrozenHead:
     dtype its GEMMs run in, with the two products a fused loss takes of it a tile at a time:
     :meth:`logits` ``x W^T`` and :meth:`input_grad` ``dz W``.
 
-    Where :func:`_packs_head` holds (float32, or bf16 on a CPU with bf16 GEMM instructions; a vocabulary-wide
+    Where :func:`_packs_head` holds (float32, or bf16 on a CPU whose bf16 GEMMs run natively; a vocabulary-wide
     head, x86-64 with oneDNN, one process), the head is kept in oneDNN's packed layout once for each product
     and both run on oneDNN from it: SmolLM2's head (49152 x 576) at 128-row tiles took 105-107 GF/s for
     either in float32, against MKL's 87 (:func:`mm_wide`) and 91, and 210 and 221 GF/s in bf16 against

@@ -1,4 +1,4 @@
-"""specforge_core.nn.linear: half precision on CPUs without bf16 GEMM instructions runs as float32 GEMMs; mm_wide:
+"""specforge_core.nn.linear: half precision on CPUs whose own bf16 GEMM is the slower runs as float32 GEMMs; mm_wide:
 a vocabulary-wide float32 head in blocks of columns; frozen_head: a frozen one packed for oneDNN."""
 
 import platform
@@ -14,13 +14,53 @@ from specforge_core.nn import (WIDE_COLUMNS, WIDE_MAX_ROWS, Linear, frozen_head,
 
 def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_gemm):
     half_gemm("fp32")
-    assert upcast_half_gemm_on_cpu() is True
+    assert upcast_half_gemm_on_cpu() is True and sf_nn.upcast_min_rows() == sf_nn.UPCAST_ROWS
     half_gemm("native")
     assert upcast_half_gemm_on_cpu() is False
     half_gemm("")
     with open("/proc/cpuinfo", encoding="utf-8") as fh:
-        flags = set(next(line for line in fh if line.startswith("flags")).split())
-    assert upcast_half_gemm_on_cpu() is not bool({"avx512_bf16", "amx_bf16"} & flags)
+        lines = fh.readlines()
+    flags = set(next(line for line in lines if line.startswith("flags")).split(":", 1)[1].split())
+    vendor = next(line for line in lines if line.startswith("vendor_id")).split(":", 1)[1].strip()
+    route = sf_nn.half_gemm_route(flags, vendor)
+    assert upcast_half_gemm_on_cpu() is (route is not None)
+    assert sf_nn.upcast_min_rows() == (route or sf_nn.UPCAST_ROWS)
+
+
+@pytest.mark.parametrize(("flags", "vendor", "route"), [
+    ({"avx2", "fma"}, "AuthenticAMD", 4),  # no bf16 GEMM instructions (Zen 3): torch's bf16 GEMM 10-40x slower
+    ({"avx512f", "avx512_bf16"}, "AuthenticAMD", None),  # Zen 4: bf16 twice float32's rate
+    ({"avx512f", "avx512_bf16"}, "GenuineIntel", 64),  # no AMX: half float32's rate, upcast from 64 rows
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", None),
+    ({"avx2", "fma"}, "GenuineIntel", 4),
+    (set(), "", None),  # no x86 flags (ARM's /proc/cpuinfo says "Features"): torch's kernels
+])
+def test_the_route_follows_the_cpu_kind(flags, vendor, route):
+    assert sf_nn.half_gemm_route(flags, vendor) == route
+
+
+def test_where_bf16_gemms_run_at_half_the_float32_rate_only_many_rows_are_upcast(half_gemm, monkeypatch):
+    half_gemm("")
+    monkeypatch.setattr(sf_nn, "_half_gemm_choice", lambda: sf_nn.UPCAST_ROWS_BF16_DOT)
+    assert upcast_half_gemm_on_cpu() is True and sf_nn.upcast_min_rows() == 64
+    assert [sf_nn.upcast_pays(rows, 576 * 1536) for rows in (4, 63, 64)] == [False, False, True]
+    assert sf_nn.upcast_pays(64, 1 << 23) is True  # a large weight: 64 rows are past its own 24 too
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 16, generator=gen).bfloat16()
+    for rows, upcast in ((63, False), (64, True)):
+        x = torch.randn(rows, 16, generator=gen).bfloat16().requires_grad_()
+        result = linear(x, w)
+        assert ("UpcastLinear" in type(result.grad_fn).__name__) is upcast
+        torch.testing.assert_close(result.float(), F.linear(x.float(), w.float()), rtol=0.02, atol=0.05)
+
+
+def test_an_upcast_chunk_is_never_fewer_rows_than_the_floor_however_wide_the_weight():
+    """A vocabulary-wide weight's element budget alone would give chunks of one row, each a GEMV over the whole
+    weight; every chunk but the last has UPCAST_MIN_CHUNK_ROWS rows at least."""
+    assert sf_nn._row_chunks(1000, 49152) == [slice(start, min(start + 128, 1000)) for start in range(0, 1000, 128)]
+    assert sf_nn._row_chunks(1000, 64) == [slice(0, 1000)]  # narrow: 1024 rows a chunk by the element budget
+    assert sf_nn._row_chunks(5000, 64) == [slice(0, 1024), slice(1024, 2048), slice(2048, 3072), slice(3072, 4096),
+                                          slice(4096, 5000)]
 
 
 @pytest.mark.parametrize("route", ["", "fp32", "native"])
@@ -43,6 +83,7 @@ def test_upcast_linear_matches_float64_to_half_precision_rounding_in_output_and_
                                                                                           dtype, chunk_elements):
     half_gemm("fp32")
     monkeypatch.setattr(sf_nn, "UPCAST_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(sf_nn, "UPCAST_MIN_CHUNK_ROWS", 1)
     assert len(sf_nn._row_chunks(15, 16)) == (1 if chunk_elements > 64 else 4)
     gen = torch.Generator().manual_seed(0)
     x64 = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64)

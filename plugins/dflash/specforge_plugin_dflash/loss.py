@@ -202,7 +202,7 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     whole blocks.
     Logits are float32 (float64 for a float64 head), as
     :meth:`~specforge_plugin_dflash.model.DFlashBackbone.logits` computes them; half precision
-    runs its GEMMs in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`).
+    runs its GEMMs in float32 on CPUs whose own bf16 GEMM is the slower (:func:`specforge_core.nn.upcasts`).
     """
     return _FrozenHeadCrossEntropy.apply(hidden, head, labels, weights, chunk_blocks, weighting)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specforge_core.nn import upcasts
+from specforge_core.nn import UPCAST_ROWS, upcast_min_rows, upcasts
 
 
 class _Precision:
@@ -160,12 +160,17 @@ class FusedGRU(nn.GRU):
 
     def fused(self, input: torch.Tensor) -> bool:
         """Whether ``input`` runs the fused path: a batch of sequences on CPU whose GEMMs run in float32 or
-        float64. Half precision where torch's own kernels are native (CPUs with bf16 GEMM instructions)
-        stays on ``nn.GRU``, which was faster there than per-step conversions to float32 gates."""
+        float64, which half precision does where the CPU has no bf16 GEMM instructions (or
+        ``SPECFORGE_CPU_HALF_GEMM=fp32``): there torch's bf16 GRU is 10-40x slower. Elsewhere half
+        precision stays on ``nn.GRU``: where bf16 GEMMs are native it was faster than per-step conversions
+        to float32 gates, and where they run at half the float32 rate (Intel without AMX) it was about 10%
+        slower than the fused path but kept a third less (the bench's Domino bf16 step: 43 MB above its
+        baseline instead of 68), the fused path's gates and gradients being float32."""
         if input.device.type != "cpu" or input.dim() != 3 or input.shape[1] == 0:
             return False
         weight = self.weight_hh_l0
-        return weight.dtype in (torch.float32, torch.float64) or upcasts(input.shape[0] * input.shape[1], weight)
+        return weight.dtype in (torch.float32, torch.float64) or (
+            upcasts(input.shape[0] * input.shape[1], weight) and upcast_min_rows() == UPCAST_ROWS)
 
     def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(states [M, T, g], last [1, M, g])`` of ``input [M, T, H]`` from ``hx [1, M, g]`` (zeros if None)."""

@@ -17,7 +17,7 @@ A chunk is computed a tile of whole blocks at a time (:func:`specforge_plugin_df
 each head's softmax, cross-entropy, argmax and logit gradient share one pass over the tile's
 logits, and what backward keeps is ``dh``, ``da`` and ``dW2``, scaled by the incoming gradient
 of ``S``. ``W1`` and the SiLU stay with autograd (through ``da``). Half precision runs the GEMMs
-in float32 on CPUs without bf16 GEMM instructions (:func:`specforge_core.nn.upcasts`); the
+in float32 on CPUs whose own bf16 GEMM is the slower (:func:`specforge_core.nn.upcasts`); the
 logits and everything after them are float32 (float64 for a float64 head).
 """
 

@@ -91,6 +91,20 @@ def test_half_precision_runs_float32_gemms_where_the_cpu_lacks_bf16_ones_and_sta
         assert (u - w).abs().max() <= max((n - w).abs().max(), 2 ** -8 * scale), name
 
 
+def test_where_bf16_gemms_run_at_half_the_float32_rate_the_gru_stays_nn_grus(half_gemm, monkeypatch):
+    """An Intel CPU with AVX512-BF16 but no AMX upcasts linears of 64 rows or more, but keeps torch's bf16 GRU,
+    whose bf16 activations take less memory than the fused path's float32 ones; float32 stays fused."""
+    from specforge_core import nn as sf_nn
+
+    half_gemm("")
+    monkeypatch.setattr(sf_nn, "_half_gemm_choice", lambda: sf_nn.UPCAST_ROWS_BF16_DOT)
+    fused = FusedGRU(H, G)
+    x = torch.zeros(64, T, H)
+    assert sf_nn.upcasts(64 * T, fused.weight_hh_l0.bfloat16())  # its linears would be upcast...
+    assert not fused.to(torch.bfloat16).fused(x.bfloat16())  # ...its GRU is nn.GRU's
+    assert fused.float().fused(x)
+
+
 def test_a_gru_on_another_input_shape_is_nn_grus():
     fused = FusedGRU(H, G)
     assert not fused.fused(torch.zeros(T, H))  # unbatched

@@ -16,7 +16,7 @@ A chunk is computed a tile of whole blocks at a time (:func:`specforge_plugin_df
 the softmax, the cross-entropy, the L1 term, the argmax and ``dz`` share one pass over a tile's
 logits, and what backward keeps is ``dh``, ``de`` and ``dW2``, scaled by the incoming
 gradient of ``S``. The confidence head's BCE, whose target ``accept`` carries no gradient, stays
-with autograd. Half precision runs its GEMMs in float32 on CPUs without bf16 GEMM instructions
+with autograd. Half precision runs its GEMMs in float32 on CPUs whose own bf16 GEMM is the slower
 (:func:`specforge_core.nn.upcasts`); the logits and everything after them are float32.
 """
 

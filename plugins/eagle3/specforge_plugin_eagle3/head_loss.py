@@ -15,7 +15,7 @@ rows, however wide the vocabulary: each chunk's GEMM passes over the whole head.
 gradients are computed in forward and only scaled in backward, so what a step keeps for
 backward is ``dx [R, h]`` and ``dW [Vd, h]``, not its logits. On CUDA the same ops run on
 cuBLAS and elementwise kernels;
-bf16/fp16 on a CPU without bf16 GEMM instructions runs its GEMMs in float32
+bf16/fp16 on a CPU whose own bf16 GEMM is the slower runs its GEMMs in float32
 (:func:`specforge_core.nn.upcasts`).
 """
 
