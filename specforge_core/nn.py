@@ -196,9 +196,13 @@ def upcast_pays(rows: int, weight_numel: int) -> bool:
 
 def upcasts(rows: int, weight: torch.Tensor) -> bool:
     """Whether ``rows`` rows through half-precision ``weight`` run as float32 GEMMs here: a CPU whose own bf16
-    GEMM is the slower one (:func:`upcast_half_gemm_on_cpu`) and enough rows to pay for it (:func:`upcast_pays`)."""
+    GEMM is the slower one (:func:`upcast_half_gemm_on_cpu`) and enough rows to pay for it (:func:`upcast_pays`).
+    float16 follows bf16, except where bf16 is upcast for running at half the float32 rate (Intel without
+    AMX): those CPUs' AVX512-FP16 runs torch's float16 GEMM at the float32 rate (158 GF/s against 159 on one
+    Xeon core), so converting would only add work."""
     return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu" \
-        and upcast_half_gemm_on_cpu() and upcast_pays(rows, weight.numel())
+        and upcast_half_gemm_on_cpu() and upcast_pays(rows, weight.numel()) \
+        and not (weight.dtype == torch.float16 and upcast_min_rows() == UPCAST_ROWS_BF16_DOT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,6 +45,8 @@ def test_where_bf16_gemms_run_at_half_the_float32_rate_only_many_rows_are_upcast
     assert upcast_half_gemm_on_cpu() is True and sf_nn.upcast_min_rows() == 64
     assert [sf_nn.upcast_pays(rows, 576 * 1536) for rows in (4, 63, 64)] == [False, False, True]
     assert sf_nn.upcast_pays(64, 1 << 23) is True  # a large weight: 64 rows are past its own 24 too
+    assert not sf_nn.upcasts(1024, torch.zeros(8, 16, dtype=torch.float16))  # float16 runs at float32's rate there
+    assert sf_nn.upcasts(1024, torch.zeros(8, 16, dtype=torch.bfloat16))
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(8, 16, generator=gen).bfloat16()
     for rows, upcast in ((63, False), (64, True)):
