@@ -66,8 +66,9 @@ KERNELS = {
                          "both paths",
                 "domino_gru": {"ours": {"cpu": "specforge_plugin_domino.gru.FusedGRU: all steps' input GEMM at once, "
                                                "one state GEMM per step, backward by hand with each weight "
-                                               "gradient as one GEMM over all steps (float32 and upcast half "
-                                               "precision; torch's nn.GRU where bf16 GEMMs are native)",
+                                               "gradient as one GEMM over all steps (float32, and half precision "
+                                               "on CPUs without bf16 GEMM instructions; torch's nn.GRU on those "
+                                               "with them)",
                                         "cuda": "nn.GRU (cuDNN)"},
                                "reference": {"cpu": "nn.GRU (aten's GRU cells, autograd through every step)",
                                              "cuda": "nn.GRU (cuDNN)"}}},
