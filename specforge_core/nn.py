@@ -11,6 +11,7 @@ import os
 import platform
 import weakref
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +26,30 @@ HALF_GEMM_ENV = "SPECFORGE_CPU_HALF_GEMM"
 UPCAST_ROWS = 4
 #: The same on an Intel CPU with AVX512-BF16 but no AMX, where torch's bf16 GEMM ran at half its float32 rate.
 UPCAST_ROWS_BF16_DOT = 64
+
+
+@attrs.frozen
+class HalfGemmRoute:
+    """How half-precision linears run on a CPU: from how many rows sharing a weight bf16 and float16 ones run as
+    float32 GEMMs of upcast operands (None: never; torch's own kernels), and whether torch's half-precision
+    kernels there are many times slower than float32 (``far_slower``: no bf16 GEMM instructions, or
+    ``SPECFORGE_CPU_HALF_GEMM=fp32``), so that even work whose float32 form keeps more memory takes it."""
+
+    bf16_rows: int | None = None
+    float16_rows: int | None = None
+    far_slower: bool = False
+
+    def rows(self, dtype: torch.dtype) -> int | None:
+        """The fewest rows at which a linear of this half-precision ``dtype`` is upcast; None: never."""
+        return self.bf16_rows if dtype == torch.bfloat16 else self.float16_rows
+
+
+#: torch's kernels as they are: AMX, AMD's AVX512-BF16, or no x86 flags to go by (ARM)
+NATIVE_ROUTE = HalfGemmRoute()
+#: no bf16 GEMM instructions (or ``fp32`` asked for): torch's bf16 GEMM 10-40x slower than float32
+UPCAST_ROUTE = HalfGemmRoute(UPCAST_ROWS, UPCAST_ROWS, far_slower=True)
+#: Intel's AVX512-BF16 without AMX: bf16 at half the float32 rate; its AVX512-FP16 runs float16 at the float32 rate
+HALF_RATE_ROUTE = HalfGemmRoute(UPCAST_ROWS_BF16_DOT, None)
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -54,41 +79,47 @@ def upcast_half_gemm_on_cpu() -> bool:
     ``torch.compile`` takes the answer as a constant of its graph: traced, the reading of
     ``/proc/cpuinfo`` broke a bf16 layer's graph at every linear (24 graph breaks a DFlash step).
     """
-    return _half_gemm_choice() is not None
+    return _half_gemm_choice().bf16_rows is not None
 
 
 @torch.compiler.assume_constant_result
-def upcast_min_rows() -> int:
-    """The fewest rows sharing a weight for which :func:`upcast_pays` may hold: :data:`UPCAST_ROWS`, or
-    :data:`UPCAST_ROWS_BF16_DOT` where the CPU's own bf16 GEMM is only half as fast as float32 (unset
-    ``SPECFORGE_CPU_HALF_GEMM``; ``fp32`` takes :data:`UPCAST_ROWS`)."""
-    return _half_gemm_choice() or UPCAST_ROWS
+def upcast_min_rows(dtype: torch.dtype = torch.bfloat16) -> int | None:
+    """The fewest rows sharing a weight for which :func:`upcast_pays` may hold for ``dtype`` here (None: torch's
+    kernels always): :data:`UPCAST_ROWS` where torch's half-precision GEMMs are many times slower,
+    :data:`UPCAST_ROWS_BF16_DOT` for bf16 where they run at half the float32 rate (:class:`HalfGemmRoute`)."""
+    return _half_gemm_choice().rows(dtype)
+
+
+@torch.compiler.assume_constant_result
+def half_gemm_far_slower() -> bool:
+    """Whether torch's half-precision kernels here are many times slower than float32 (no bf16 GEMM
+    instructions, or ``SPECFORGE_CPU_HALF_GEMM=fp32``): where float32 pays even at a memory cost."""
+    return _half_gemm_choice().far_slower
 
 
 @functools.lru_cache(maxsize=1)
-def _half_gemm_choice() -> int | None:
+def _half_gemm_choice() -> HalfGemmRoute:
     choice = _env_choice(HALF_GEMM_ENV, ("fp32", "native"))
     if choice:
-        return UPCAST_ROWS if choice == "fp32" else None
+        return UPCAST_ROUTE if choice == "fp32" else NATIVE_ROUTE
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             lines = [line for line in fh if line.startswith(("flags", "vendor_id"))]
     except OSError:  # not Linux: leave torch's kernels alone
-        return None
+        return NATIVE_ROUTE
     flags = next((line for line in lines if line.startswith("flags")), ":").split(":", 1)[1].split()
     vendor = next((line for line in lines if line.startswith("vendor_id")), ":").split(":", 1)[1].strip()
     return half_gemm_route(set(flags), vendor)
 
 
-def half_gemm_route(flags: set[str], vendor: str) -> int | None:
-    """For an x86 CPU with these ``/proc/cpuinfo`` ``flags`` and ``vendor_id``: the fewest rows at which
-    half-precision linears run as float32 GEMMs of upcast operands, or None where torch's own kernels
-    stay (AMX; AVX512-BF16 on CPUs other than Intel's; no x86 flags at all, as on ARM)."""
+def half_gemm_route(flags: set[str], vendor: str) -> HalfGemmRoute:
+    """The :class:`HalfGemmRoute` of an x86 CPU with these ``/proc/cpuinfo`` ``flags`` and ``vendor_id``: torch's
+    kernels with AMX, with AVX512-BF16 on CPUs other than Intel's and without x86 flags at all (as on ARM)."""
     if not flags or "amx_bf16" in flags:
-        return None
+        return NATIVE_ROUTE
     if "avx512_bf16" not in flags:
-        return UPCAST_ROWS
-    return UPCAST_ROWS_BF16_DOT if vendor == "GenuineIntel" else None
+        return UPCAST_ROUTE
+    return HALF_RATE_ROUTE if vendor == "GenuineIntel" else NATIVE_ROUTE
 
 
 upcast_half_gemm_on_cpu.cache_clear = _half_gemm_choice.cache_clear  # type: ignore[attr-defined]
@@ -104,7 +135,7 @@ UPCAST_MIN_CHUNK_ROWS = 128
 
 
 def _row_chunks(rows: int, width: int) -> list[slice]:
-    step = max(UPCAST_MIN_CHUNK_ROWS, UPCAST_CHUNK_ELEMENTS // max(1, width), 1)
+    step = max(UPCAST_MIN_CHUNK_ROWS, UPCAST_CHUNK_ELEMENTS // max(1, width))
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
@@ -175,7 +206,7 @@ def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
 LARGE_WEIGHT = 1 << 23
 
 
-def upcast_pays(rows: int, weight_numel: int) -> bool:
+def upcast_pays(rows: int, weight_numel: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a half-precision linear of ``rows`` input rows is faster as a float32 GEMM of upcast operands.
 
     The upcast converts the whole weight on every call, which only pays when enough rows share
@@ -191,18 +222,17 @@ def upcast_pays(rows: int, weight_numel: int) -> bool:
     a step instead of 1.9-2.0). Training batches are far above these; speculative decoding's
     draft steps of one row or one block stay on torch's kernel.
     """
-    return rows >= upcast_min_rows() and (rows >= 24 or weight_numel < LARGE_WEIGHT)
+    first = upcast_min_rows(dtype)
+    return first is not None and rows >= first and (rows >= 24 or weight_numel < LARGE_WEIGHT)
 
 
 def upcasts(rows: int, weight: torch.Tensor) -> bool:
-    """Whether ``rows`` rows through half-precision ``weight`` run as float32 GEMMs here: a CPU whose own bf16
-    GEMM is the slower one (:func:`upcast_half_gemm_on_cpu`) and enough rows to pay for it (:func:`upcast_pays`).
-    float16 follows bf16, except where bf16 is upcast for running at half the float32 rate (Intel without
-    AMX): those CPUs' AVX512-FP16 runs torch's float16 GEMM at the float32 rate (158 GF/s against 159 on one
-    Xeon core), so converting would only add work."""
+    """Whether ``rows`` rows through half-precision ``weight`` run as float32 GEMMs here: a CPU whose own GEMM in
+    the weight's dtype is the slower one, and enough rows to pay for it (:func:`upcast_pays`). float16 follows
+    bf16, except on Intel CPUs with AVX512-BF16 but no AMX, whose AVX512-FP16 runs torch's float16 GEMM at the
+    float32 rate (158 GF/s against 159 on one Xeon core): converting would only add work there."""
     return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu" \
-        and upcast_half_gemm_on_cpu() and upcast_pays(rows, weight.numel()) \
-        and not (weight.dtype == torch.float16 and upcast_min_rows() == UPCAST_ROWS_BF16_DOT)
+        and upcast_pays(rows, weight.numel(), weight.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

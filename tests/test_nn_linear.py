@@ -15,6 +15,7 @@ from specforge_core.nn import (WIDE_COLUMNS, WIDE_MAX_ROWS, Linear, frozen_head,
 def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_gemm):
     half_gemm("fp32")
     assert upcast_half_gemm_on_cpu() is True and sf_nn.upcast_min_rows() == sf_nn.UPCAST_ROWS
+    assert sf_nn.upcast_min_rows(torch.float16) == sf_nn.UPCAST_ROWS and sf_nn.half_gemm_far_slower()
     half_gemm("native")
     assert upcast_half_gemm_on_cpu() is False
     half_gemm("")
@@ -23,25 +24,26 @@ def test_the_environment_chooses_the_route_and_auto_follows_the_cpu_flags(half_g
     flags = set(next(line for line in lines if line.startswith("flags")).split(":", 1)[1].split())
     vendor = next(line for line in lines if line.startswith("vendor_id")).split(":", 1)[1].strip()
     route = sf_nn.half_gemm_route(flags, vendor)
-    assert upcast_half_gemm_on_cpu() is (route is not None)
-    assert sf_nn.upcast_min_rows() == (route or sf_nn.UPCAST_ROWS)
+    assert upcast_half_gemm_on_cpu() is (route.bf16_rows is not None)
+    assert (sf_nn.upcast_min_rows(), sf_nn.upcast_min_rows(torch.float16)) == (route.bf16_rows, route.float16_rows)
 
 
 @pytest.mark.parametrize(("flags", "vendor", "route"), [
-    ({"avx2", "fma"}, "AuthenticAMD", 4),  # no bf16 GEMM instructions (Zen 3): torch's bf16 GEMM 10-40x slower
-    ({"avx512f", "avx512_bf16"}, "AuthenticAMD", None),  # Zen 4: bf16 twice float32's rate
-    ({"avx512f", "avx512_bf16"}, "GenuineIntel", 64),  # no AMX: half float32's rate, upcast from 64 rows
-    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", None),
-    ({"avx2", "fma"}, "GenuineIntel", 4),
-    (set(), "", None),  # no x86 flags (ARM's /proc/cpuinfo says "Features"): torch's kernels
+    ({"avx2", "fma"}, "AuthenticAMD", (4, 4, True)),  # no bf16 GEMM instructions (Zen 3): 10-40x slower
+    ({"avx512f", "avx512_bf16"}, "AuthenticAMD", (None, None, False)),  # Zen 4: bf16 twice float32's rate
+    ({"avx512f", "avx512_bf16"}, "GenuineIntel", (64, None, False)),  # no AMX: bf16 at half float32's rate
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", (None, None, False)),
+    ({"avx2", "fma"}, "GenuineIntel", (4, 4, True)),
+    (set(), "", (None, None, False)),  # no x86 flags (ARM's /proc/cpuinfo says "Features"): torch's kernels
 ])
 def test_the_route_follows_the_cpu_kind(flags, vendor, route):
-    assert sf_nn.half_gemm_route(flags, vendor) == route
+    got = sf_nn.half_gemm_route(flags, vendor)
+    assert (got.bf16_rows, got.float16_rows, got.far_slower) == route
 
 
 def test_where_bf16_gemms_run_at_half_the_float32_rate_only_many_rows_are_upcast(half_gemm, monkeypatch):
     half_gemm("")
-    monkeypatch.setattr(sf_nn, "_half_gemm_choice", lambda: sf_nn.UPCAST_ROWS_BF16_DOT)
+    monkeypatch.setattr(sf_nn, "_half_gemm_choice", lambda: sf_nn.HALF_RATE_ROUTE)
     assert upcast_half_gemm_on_cpu() is True and sf_nn.upcast_min_rows() == 64
     assert [sf_nn.upcast_pays(rows, 576 * 1536) for rows in (4, 63, 64)] == [False, False, True]
     assert sf_nn.upcast_pays(64, 1 << 23) is True  # a large weight: 64 rows are past its own 24 too

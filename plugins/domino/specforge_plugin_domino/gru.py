@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specforge_core.nn import UPCAST_ROWS, upcast_min_rows, upcasts
+from specforge_core.nn import half_gemm_far_slower, upcasts
 
 
 class _Precision:
@@ -170,7 +170,7 @@ class FusedGRU(nn.GRU):
             return False
         weight = self.weight_hh_l0
         return weight.dtype in (torch.float32, torch.float64) or (
-            upcasts(input.shape[0] * input.shape[1], weight) and upcast_min_rows() == UPCAST_ROWS)
+            upcasts(input.shape[0] * input.shape[1], weight) and half_gemm_far_slower())
 
     def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(states [M, T, g], last [1, M, g])`` of ``input [M, T, H]`` from ``hx [1, M, g]`` (zeros if None)."""

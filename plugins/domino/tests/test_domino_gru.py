@@ -97,7 +97,7 @@ def test_where_bf16_gemms_run_at_half_the_float32_rate_the_gru_stays_nn_grus(hal
     from specforge_core import nn as sf_nn
 
     half_gemm("")
-    monkeypatch.setattr(sf_nn, "_half_gemm_choice", lambda: sf_nn.UPCAST_ROWS_BF16_DOT)
+    monkeypatch.setattr(sf_nn, "_half_gemm_choice", lambda: sf_nn.HALF_RATE_ROUTE)
     fused = FusedGRU(H, G)
     x = torch.zeros(64, T, H)
     assert sf_nn.upcasts(64 * T, fused.weight_hh_l0.bfloat16())  # its linears would be upcast...
