@@ -233,6 +233,20 @@ def test_rms_norm_rounds_like_the_written_out_form(dtype):
         assert float((a.float() - b.float()).abs().max()) <= tolerance * float(b.float().abs().max())
 
 
+@pytest.mark.parametrize("needs", [(True, False), (False, True)])
+def test_rms_norm_gives_each_gradient_alone(needs):
+    """A frozen norm weight, or a norm of an input that takes no gradient (a context's features), gets the one
+    gradient asked for, the written-out form's."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 7, 16, generator=gen) * 2).requires_grad_(needs[0])
+    weight = (1 + torch.randn(16, generator=gen) / 4).requires_grad_(needs[1])
+    grad = torch.randn(4, 7, 16, generator=gen)
+    wanted = x if needs[0] else weight
+    ours = torch.autograd.grad(rms_norm(x, weight, 1e-6), wanted, grad)[0]
+    written = torch.autograd.grad(_written_out_rms_norm(x, weight, 1e-6), wanted, grad)[0]
+    torch.testing.assert_close(ours, written, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_keeps_only_its_input_for_backward(dtype):
     rows, width = 256, 64
