@@ -10,10 +10,10 @@ torch's fused AdamW kernel, as the trainer builds it, the reference with AdamW's
 keeps its process's C heap between steps as the trainer does (``train.keep_heap``), the reference
 runs on glibc's defaults (``--system-heap`` leaves ours on them too).
 
-The two paths run in two worker processes (one torch thread each) that step in turn,
-alternating which goes first, so load from other processes hits both alike; each pair
-gives a ratio ``reference seconds / ours`` (> 1: ours is faster). One JSON line per
-strategy and dtype:
+The two paths run in two worker processes (one torch thread each, both on one CPU: ``--cpu``)
+that step in turn, alternating which goes first, so load from other processes hits both
+alike and a pair's two steps run on the same core; each pair gives a ratio ``reference
+seconds / ours`` (> 1: ours is faster). One JSON line per strategy and dtype:
 
     tokens_per_s_ours / _reference   B*S tokens per second, medians over the pairs
     ratio, ratio_p25, ratio_p75      median and quartiles of the per-pair ratios
@@ -414,6 +414,8 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     from specforge_core.training.optim import fused_adamw
 
     torch.set_num_threads(1)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})  # both workers on one CPU: a pair's two steps run on the same core
     as_trainer = path == "ours" or args.reference == "eager"
     if as_trainer and not args.system_heap:
         keep_heap()  # as the trainer does (train.keep_heap)
@@ -525,7 +527,7 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     ours, ref = statistics.median(seconds["ours"]), statistics.median(seconds["reference"])
     family = "eagle3" if name == "eagle3" else "dflash_family"
     return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "shapes": args.shapes,
-            "threads": 1, "pairs": args.pairs,
+            "threads": 1, "pairs": args.pairs, "cpu": args.cpu,
             "ours": "compiled" if args.compile else "eager",
             "reference": {"textbook": "textbook", "compiled": "textbook, compiled", "eager": "ours, eager"}[
                 args.reference],
@@ -554,10 +556,21 @@ def main() -> None:
                         help="what ours is compared with: the textbook step (default), the textbook step under "
                              "torch.compile (compiled; its untimed first step compiles), or ours without compile "
                              "(eager; with --compile: what compiling changes)")
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="the CPU both workers run on (default: the first this process may use; -1: wherever "
+                             "the scheduler puts them). They step in turn, never at once, so one CPU serves both, "
+                             "and a pair's two steps then run on the same core: on a virtual machine two cores' "
+                             "speeds can differ by 10-20%% from one minute to the next")
     parser.add_argument("--system-heap", action="store_true",
                         help="leave ours on the C library's default heap policy too, instead of keeping the heap "
                              "between steps as the trainer does (train.keep_heap): what that setting is worth")
     args = parser.parse_args()
+    if args.cpu is None and hasattr(os, "sched_getaffinity"):
+        args.cpu = min(os.sched_getaffinity(0))
+    elif args.cpu == -1 or not hasattr(os, "sched_setaffinity"):
+        args.cpu = None
+    elif args.cpu not in os.sched_getaffinity(0):
+        sys.exit(f"--cpu {args.cpu}: this process may run on CPUs {sorted(os.sched_getaffinity(0))} only")
     for name in args.strategies.split(","):
         if name not in STRATEGIES:
             sys.exit(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
