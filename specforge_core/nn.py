@@ -470,12 +470,19 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return out_a.to(acc) * (lse_a - lse).exp_()[..., None] + out_b.to(acc) * (lse_b - lse).exp_()[..., None], lse
 
 
-#: Queries per chunk of :func:`cpu_causal_attention`.
+#: Queries per chunk of :func:`cpu_causal_attention` ...
 CAUSAL_CHUNK = 64
+#: ... and from :data:`CAUSAL_LONG` queries on, per chunk of :data:`CAUSAL_CHUNK_LONG`: the kernel runs a call of
+#: fewer than 192 queries as GEMMs of 32 query rows, whose fixed costs grow with the prefix each chunk reads.
+#: One Xeon core (float32, 4 heads of 64, forward + backward): 1024 queries 58 ms in chunks of 64, 50 in chunks
+#: of 256; 2048 queries 115 and 92-103; 4096 queries 511 and 322-402 (one causal call: 50, 83-96, 279-313).
+CAUSAL_CHUNK_LONG = 256
+CAUSAL_LONG = 1024
 
 
 def _causal_chunks(length: int) -> list[tuple[int, int]]:
-    return [(start, min(start + CAUSAL_CHUNK, length)) for start in range(0, length, CAUSAL_CHUNK)]
+    size = CAUSAL_CHUNK if length < CAUSAL_LONG else CAUSAL_CHUNK_LONG
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
 def _chunks_causal(q: torch.Tensor) -> bool:
@@ -501,10 +508,11 @@ def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
 
     The kernel walks keys in blocks of up to 512 and can skip only whole blocks, so below about
     a thousand positions one causal call computes the masked half too (at S = 512 it costs what
-    a call without the mask does). Here each chunk of :data:`CAUSAL_CHUNK` queries attends its
-    own keys (causal, aligned) and the keys before them (no mask) in two calls, merged by
-    log-sum-exp: the masked half is never computed (float32 fwd + bwd at S 512, d 64: 16 ms instead
-    of 26; at S 2048: 224 instead of 263). Half precision from position 0 stays one causal call
+    a call without the mask does). Here each chunk of :data:`CAUSAL_CHUNK` queries (from
+    :data:`CAUSAL_LONG` queries on, :data:`CAUSAL_CHUNK_LONG`) attends its own keys (causal, aligned)
+    and the keys before them (no mask) in two calls, merged by log-sum-exp: the masked half is never
+    computed (float32 fwd + bwd at S 512, d 64, on a Zen 4 core: 16 ms instead of 26; at S 2048: 224
+    instead of 263, in chunks of 64). Half precision from position 0 stays one causal call
     (:func:`_chunks_causal`). Backward: :func:`cpu_causal_attention_backward`.
     """
     chunks = _query_chunks(q, query_start)

@@ -125,12 +125,13 @@ def _dense_causal(q, k, v, scale):
     return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
 
 
-@pytest.mark.parametrize("length", [11, 3])  # chunks of 4 with a short last one; one chunk
+# chunks of 4 with a short last one; one chunk; the long chunks (256) from CAUSAL_LONG queries, the last short
+@pytest.mark.parametrize("length", [11, 3, 1030])
 def test_chunked_causal_flash_attention_equals_dense_causal_attention_with_its_gradients(monkeypatch, length):
     from specforge_core import nn as sf_nn
 
     monkeypatch.setattr(sf_nn, "CAUSAL_CHUNK", 4)
-    assert len(sf_nn._causal_chunks(length)) == (3 if length == 11 else 1)
+    assert len(sf_nn._causal_chunks(length)) == {11: 3, 3: 1, 1030: 5}[length]
     gen = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, n, length, 8, generator=gen, dtype=torch.float64) for n in (4, 2, 2, 4))
     scale = 8 ** -0.5
@@ -143,6 +144,14 @@ def test_chunked_causal_flash_attention_equals_dense_causal_attention_with_its_g
     grads = sf_nn.cpu_causal_attention_backward(grad, q, k, v, out, lse, scale=scale)
     for got, leaf in zip(grads, leaves):
         assert got.dtype == torch.float64 and torch.allclose(got, leaf.grad, atol=1e-12)
+
+
+def test_causal_attention_takes_longer_chunks_from_a_thousand_queries():
+    from specforge_core import nn as sf_nn
+
+    assert sf_nn._causal_chunks(1000) == [(start, min(start + 64, 1000)) for start in range(0, 1000, 64)]
+    assert sf_nn._causal_chunks(1024) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert sf_nn._causal_chunks(1100)[-1] == (1024, 1100)
 
 
 @pytest.mark.parametrize(("query_start", "dtype"), [(5, torch.float64), (1, torch.float64), (4, torch.bfloat16)])
