@@ -474,8 +474,10 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 CAUSAL_CHUNK = 64
 #: ... and from :data:`CAUSAL_LONG` queries on, per chunk of :data:`CAUSAL_CHUNK_LONG`: the kernel runs a call of
 #: fewer than 192 queries as GEMMs of 32 query rows, whose fixed costs grow with the prefix each chunk reads.
-#: One Xeon core (float32, 4 heads of 64, forward + backward): 1024 queries 58 ms in chunks of 64, 50 in chunks
-#: of 256; 2048 queries 115 and 92-103; 4096 queries 511 and 322-402 (one causal call: 50, 83-96, 279-313).
+#: One Xeon core (one sample, 4 heads of 64, float32, forward + backward, in turn): 1024 queries 24 ms in chunks
+#: of 256 instead of 28 in chunks of 64, 2048 queries 86 instead of 104, 4096 queries 333 instead of 418 (one
+#: causal call took 83-96 and 279-313 ms at 2048 and 4096, faster still there, but on a Zen 4 core it was the
+#: slower at 2048: 263 ms against 224 in chunks of 64).
 CAUSAL_CHUNK_LONG = 256
 CAUSAL_LONG = 1024
 
