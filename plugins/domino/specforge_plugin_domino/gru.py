@@ -76,7 +76,9 @@ class _GRUSequence(torch.autograd.Function):
         out = gi.new_empty(steps, rows, g)
         rz_all, n_all = gi.new_empty(steps, rows, 2 * g), gi.new_empty(steps, rows, g)
         ghn_all = gi.new_empty(steps, rows, g)  # gh_n, of the steps with a state before them (no GEMM from zeros)
-        w_rz, w_n = w_hh_g[:2 * g].to(prec.acc).t(), w_hh_g[2 * g:].to(prec.acc).t()  # the state runs in acc
+        # the state runs in acc; W_hh^T is copied contiguous: a GEMM of M rows against a transposed view ran at
+        # 122 GF/s where the same against the copy ran at 168 (M 64, 512 x 1024, one Xeon core)
+        w_rz, w_n = (w.to(prec.acc).t().contiguous() for w in (w_hh_g[:2 * g], w_hh_g[2 * g:]))
         h = None if h0 is None else h0.to(prec.acc)
         minus_one = gi.new_full((), -1.0)
         for t in range(steps):
