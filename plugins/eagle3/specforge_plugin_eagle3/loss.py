@@ -150,11 +150,13 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     ALGORITHMS.md left shift of p_T, position_mask and loss_mask by one per step (zero
     fill). Only supervised rows reach the vocabulary head: the teacher rows j with
     ``position_mask[j]`` are found once, and step k scores hidden row j-k against teacher
-    row j (rows with j < k have no hidden row that deep; they are scored with weight 0).
-    ``score(rows [R, h], targets)`` returns ``(sum_r w_r CE, draft ids [R])``
+    row j, for the rows at positions t >= k (a row at t < k has no hidden row that deep).
+    The teacher rows are kept deepest first (positions from K-1 on in their order, then
+    K-2, ..., 0), so step k's rows are the first ``n_k`` of them and its teacher rows a view.
+    ``score(rows [R, h], targets)`` returns ``(sum_r CE, draft ids [R])``
     (the draft's ``lm_head(norm(rows), targets)``, :mod:`.head_loss`). With ``windows``
     (:func:`unroll_windows`) ``step_hidden[k]`` holds each sample's window only; every row a step
-    scores with weight 1 lies inside (a weight-0 row is taken at its window's edge).
+    scores lies inside.
 
     Ratio metrics: ``loss`` (sum_k decay^k S_k, N_0), ``ploss_k`` (S_k, N_k), and ``acc_k``
     (#[d2t(argmax logits_k) == target argmax] over loss_mask_k, #loss_mask_k) — the mask is
@@ -163,34 +165,35 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     supervised rows need their argmax).
     """
     b, s = position_mask.shape
-    teacher_rows = position_mask.reshape(-1).nonzero().squeeze(1)  # j = b*S + t, one host sync per batch
-    depth = teacher_rows % s
+    steps = len(step_hidden)
+    teacher_rows = position_mask.reshape(-1).nonzero().squeeze(1)  # j = b*S + t, a host sync
+    reach = (teacher_rows % s).clamp(max=steps - 1)  # the deepest step that scores the row
+    teacher_rows = teacher_rows[torch.sort(reach, descending=True, stable=True).indices]
+    # n_k = #(rows at t >= k) for each step, from the row count per reach: a second host sync
+    live = torch.bincount(reach, minlength=steps).flip(0).cumsum(0).flip(0).tolist()
     # every step scores against the same teacher rows: gathered once, read by each step without a copy
     p_rows, wanted = p_t.reshape(b * s, -1).index_select(0, teacher_rows), target_ids.reshape(-1)[teacher_rows]
     starts = None if windows is None else torch.tensor(windows.starts, device=teacher_rows.device)
     total = p_t.new_zeros((), dtype=torch.float32)
-    counts: list[torch.Tensor] = []  # S_k, N_k, correct_k, M_k per step: moved to the host at once
+    counts: list[torch.Tensor] = []  # S_k, correct_k, M_k per step: moved to the host at once
     for k, hidden in enumerate(step_hidden):
-        live = depth >= k
-        rows = torch.where(live, teacher_rows - k, teacher_rows)
+        rows = teacher_rows[:live[k]] - k
         width = hidden.shape[1]
         if starts is not None and k:  # windows: row b*S + t is row b*width + (t - starts[b]) of this step's hidden
             sample = torch.div(rows, s, rounding_mode="floor")
             rows = sample * width + ((rows % s) - starts[sample]).clamp(0, width - 1)
-        weight = live.to(torch.float32)
         step_sum, draft_ids = score(hidden.reshape(b * width, -1).index_select(0, rows),
-                                    SoftTargets(p_rows, weight))
+                                    SoftTargets(p_rows[:live[k]]))
         total = total + decay ** k * step_sum
         with torch.no_grad():
-            correct = ((draft_ids + d2t[draft_ids] == wanted) & live).sum()
-            counts += [step_sum.detach(), weight.sum(), correct.float(), loss_mask[:, k:].sum().float()]
-    supervised = position_mask.sum().float()
-    loss = total / supervised.clamp(min=1)
-    values = torch.stack([total.detach(), supervised, *counts]).double().cpu().tolist()  # one device sync
-    ratios: dict[str, tuple[float, float]] = {"loss": (values[0], values[1])}
-    for k in range(len(step_hidden)):
-        step_sum, n_k, correct, m_k = values[2 + 4 * k: 6 + 4 * k]
-        ratios[f"ploss_{k}"] = (step_sum, n_k)
+            correct = (draft_ids + d2t[draft_ids] == wanted[:live[k]]).sum()
+            counts += [step_sum.detach(), correct.float(), loss_mask[:, k:].sum().float()]
+    loss = total / max(1, live[0])
+    values = torch.stack([total.detach(), *counts]).double().cpu().tolist()  # one device sync
+    ratios: dict[str, tuple[float, float]] = {"loss": (values[0], float(live[0]))}
+    for k in range(steps):
+        step_sum, correct, m_k = values[1 + 3 * k: 4 + 3 * k]
+        ratios[f"ploss_{k}"] = (step_sum, float(live[k]))
         ratios[f"acc_{k}"] = (correct, m_k)
     return loss, ratios
 

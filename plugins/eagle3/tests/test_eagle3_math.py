@@ -342,6 +342,45 @@ def test_ttt_loss_matches_a_hand_computation():
     assert ratios["acc_1"] == (0.0, 2.0)
 
 
+def test_ttt_loss_scores_each_step_at_the_positions_that_deep_in_every_sample_with_their_gradients():
+    """Two samples whose supervised positions interleave in depth (rows too shallow for a step sit between
+    the other sample's deep ones) and a fifth step that reaches no supervised position: the loss, each step's
+    sum and count, the accuracies and the gradients of every step's hidden rows against a loop over positions."""
+    gen = torch.Generator().manual_seed(3)
+    d2t, steps, decay = torch.tensor([0, 0, 1]), 5, 0.7  # draft ids 0, 1, 2 -> target ids 0, 1, 3
+    position_mask = torch.tensor([[False, True, False, True], [True, False, True, False]])
+    loss_mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]])
+    target_ids = torch.tensor([[0, 1, 2, 3], [3, 0, 1, 2]])
+    p_t = torch.softmax(torch.randn(2, 4, 3, generator=gen, dtype=torch.float64), -1)
+    hidden = [torch.randn(2, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    identity_head = lambda rows, targets: head_soft_cross_entropy(rows, torch.eye(3, dtype=torch.float64),  # noqa: E731
+                                                                  targets)
+    loss, ratios = ttt_loss(hidden, identity_head, p_t, target_ids, position_mask, loss_mask, d2t, decay=decay)
+    want_total, sums, counts, correct = 0.0, [0.0] * steps, [0] * steps, [0] * steps
+    for k in range(steps):
+        for b in range(2):
+            for t in range(k, 4):  # hidden row t - k of step k against the teacher at t
+                if position_mask[b, t]:
+                    ce = -(p_t[b, t] * torch.log_softmax(hidden[k][b, t - k], -1)).sum()
+                    want_total = want_total + decay ** k * ce
+                    sums[k] += ce.item()
+                    counts[k] += 1
+                    draft = int(hidden[k][b, t - k].argmax())
+                    correct[k] += draft + int(d2t[draft]) == int(target_ids[b, t])
+    assert counts == [4, 3, 2, 1, 0]
+    assert loss.item() == pytest.approx(want_total.item() / 4, rel=1e-12)
+    for k in range(steps):
+        assert ratios[f"ploss_{k}"] == pytest.approx((sums[k], counts[k]), rel=1e-12)
+        assert ratios[f"acc_{k}"] == (correct[k], int(loss_mask[:, k:].sum()))
+    assert ratios["loss"] == pytest.approx((want_total.item(), 4), rel=1e-12)
+    got = torch.autograd.grad(loss, hidden)
+    want = torch.autograd.grad(want_total / 4, hidden, allow_unused=True)
+    for k in range(steps):
+        expected = torch.zeros_like(hidden[k]) if want[k] is None else want[k]
+        assert torch.allclose(got[k], expected, rtol=0, atol=1e-12), k
+    assert got[4].abs().max() == 0 and got[3].count_nonzero() == 3  # step 3: the one row at depth 3 (0, 0)
+
+
 def supervised_at(mask, u, n, positions):
     """Whether the target at aligned position u (token u + 2) is supervised, per ``loss_positions``."""
     if positions == "reference":  # ALGORITHMS.md: token u is a response token and u + 1 exists
@@ -488,7 +527,7 @@ def test_a_head_loss_chunk_holds_4_mib_of_logits_and_never_fewer_than_128_rows(v
 @pytest.mark.parametrize("chunk", [16, 3])
 def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(monkeypatch, chunk):
     """Rows 0..6 of 7-wide hidden states against an 11-token head, teacher rows gathered by index (repeats
-    included), one row weighted 0; in one chunk and in chunks of 3 rows (the last one short)."""
+    included); in one chunk and in chunks of 3 rows (the last one short)."""
     from specforge_plugin_eagle3 import head_loss
     from specforge_plugin_eagle3.head_loss import HeadSoftCrossEntropy, SoftTargets
 
@@ -499,19 +538,18 @@ def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(mo
     weight = torch.randn(11, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     p = torch.softmax(torch.randn(9, 11, generator=gen, dtype=torch.float64), -1)
     rows = torch.tensor([8, 0, 3, 3, 5, 1, 7])
-    row_weight = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
-    total, draft = head_soft_cross_entropy(x, weight, SoftTargets(p[rows], row_weight))
+    total, draft = head_soft_cross_entropy(x, weight, SoftTargets(p[rows]))
     logits = x @ weight.t()
-    want = -(p[rows] * torch.log_softmax(logits, -1)).sum(-1).mul(row_weight).sum()
+    want = -(p[rows] * torch.log_softmax(logits, -1)).sum()
     assert total.item() == pytest.approx(want.item(), rel=1e-12)
     assert draft.tolist() == logits.argmax(-1).tolist() and not draft.requires_grad
     got_grads = torch.autograd.grad(2.5 * total, (x, weight))
     want_grads = torch.autograd.grad(2.5 * want, (x, weight))
     assert all(torch.allclose(g, w) for g, w in zip(got_grads, want_grads))
-    assert torch.autograd.gradcheck(lambda a, w: HeadSoftCrossEntropy.apply(a, w, p[rows], row_weight)[0],
+    assert torch.autograd.gradcheck(lambda a, w: HeadSoftCrossEntropy.apply(a, w, p[rows])[0],
                                     (x, weight))
     with torch.no_grad():  # no gradients wanted: the same sum and argmax
-        again, again_draft = head_soft_cross_entropy(x, weight, SoftTargets(p[rows], row_weight))
+        again, again_draft = head_soft_cross_entropy(x, weight, SoftTargets(p[rows]))
     assert again.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(again_draft, draft)
 
 
@@ -522,7 +560,7 @@ def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloa
     x = torch.randn(40, 16, generator=gen).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(64, 16, generator=gen) / 4).to(torch.bfloat16).requires_grad_()
     p = torch.softmax(torch.randn(40, 64, generator=gen), -1)
-    targets = SoftTargets(p, torch.ones(40))
+    targets = SoftTargets(p)
     total, _ = head_soft_cross_entropy(x, weight, targets)
     total.backward()
     x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
