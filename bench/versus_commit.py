@@ -13,6 +13,7 @@ defaults before). One JSON line per strategy and dtype:
     ms_here / ms_commit       median step milliseconds
     speedup                   median of the per-pair ratios ``commit seconds / here`` (> 1: here is faster)
     speedup_p25 / _p75        their quartiles
+    shapes                    the dimensions (``--shapes``)
     load_before / load_after  the machine's 1-minute load average
 
 On a machine shared with other work single pairs spread by 10-20%; the default 15 pairs put
@@ -20,6 +21,7 @@ the median within a few percent.
 
     python bench/versus_commit.py --commit HEAD~3                       # every strategy, float32
     python bench/versus_commit.py --commit v0.1.0 --strategies dflash --dtypes float32,bfloat16 --pairs 31
+    python bench/versus_commit.py --commit HEAD~1 --strategies dflash --shapes smollm2 --pairs 7
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def tree_paths(tree: str) -> list[str]:
     return [tree, os.path.join(tree, "bench"), *sorted(set(plugins))]
 
 
-def worker(tree: str, name: str, dtype_name: str, ttt_length: int) -> None:
+def worker(tree: str, name: str, dtype_name: str, ttt_length: int, shapes: str) -> None:
     """Build ``tree``'s step, take one untimed step, print ``ready``, then one step per ``step`` line on stdin."""
     sys.path[:0] = tree_paths(tree)
     import torch
@@ -67,7 +69,7 @@ def worker(tree: str, name: str, dtype_name: str, ttt_length: int) -> None:
             sys.exit(f"{module.__name__} came from {module.__file__}, not from {tree}")
     strategy, model, batch, _tokens = versus_reference.build(name, dtype_name,
                                                              argparse.Namespace(ttt_length=ttt_length, compile=False,
-                                                                                shapes="tiny"))
+                                                                                shapes=shapes))
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         from specforge_core.training.optim import fused_adamw
@@ -93,12 +95,12 @@ def worker(tree: str, name: str, dtype_name: str, ttt_length: int) -> None:
 
 
 class _Worker:
-    def __init__(self, tree: str, name: str, dtype_name: str, ttt_length: int) -> None:
+    def __init__(self, tree: str, name: str, dtype_name: str, ttt_length: int, shapes: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", tree, name, dtype_name,
-                                      str(ttt_length)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
+                                      str(ttt_length), shapes], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
         if self.proc.stdout.readline().strip() != "ready":
             self.proc.wait()
             sys.exit(f"the {name} {dtype_name} worker of {tree} did not start (exit {self.proc.returncode})")
@@ -114,8 +116,8 @@ class _Worker:
 
 
 def compare(commit_tree: str, commit: str, name: str, dtype_name: str, args: argparse.Namespace) -> dict:
-    workers = {"here": _Worker(HERE, name, dtype_name, args.ttt_length),
-               "commit": _Worker(commit_tree, name, dtype_name, args.ttt_length)}
+    workers = {"here": _Worker(HERE, name, dtype_name, args.ttt_length, args.shapes),
+               "commit": _Worker(commit_tree, name, dtype_name, args.ttt_length, args.shapes)}
     load_before = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {side: [] for side in workers}
     try:
@@ -127,7 +129,8 @@ def compare(commit_tree: str, commit: str, name: str, dtype_name: str, args: arg
             proc.close()
     ratios = sorted(c / h for h, c in zip(seconds["here"], seconds["commit"]))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"bench": "versus_commit", "commit": commit, "strategy": name, "dtype": dtype_name, "threads": 1,
+    return {"bench": "versus_commit", "commit": commit, "strategy": name, "dtype": dtype_name, "shapes": args.shapes,
+            "threads": 1,
             "pairs": args.pairs, "ms_here": statistics.median(seconds["here"]) * 1e3,
             "ms_commit": statistics.median(seconds["commit"]) * 1e3, "speedup": statistics.median(ratios),
             "speedup_p25": quartiles[0], "speedup_p75": quartiles[2], "load_before": load_before,
@@ -136,8 +139,8 @@ def compare(commit_tree: str, commit: str, name: str, dtype_name: str, args: arg
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        tree, name, dtype_name, ttt_length = sys.argv[2:6]
-        worker(tree, name, dtype_name, int(ttt_length))
+        tree, name, dtype_name, ttt_length, shapes = sys.argv[2:7]
+        worker(tree, name, dtype_name, int(ttt_length), shapes)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commit", required=True, help="the commit to compare with (anything git rev-parse takes)")
@@ -145,6 +148,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32", help="comma separated (default: float32)")
     parser.add_argument("--pairs", type=int, default=15, help="timed step pairs per comparison (default 15)")
     parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE3 unroll steps (default 7)")
+    parser.add_argument("--shapes", choices=("tiny", "smollm2"), default="tiny",
+                        help="the dimensions, as versus_reference.py --shapes takes them (default tiny; a commit "
+                             "whose versus_reference.py lacks them cannot be compared at them)")
     args = parser.parse_args()
     for name in args.strategies.split(","):
         if name not in STRATEGIES:
