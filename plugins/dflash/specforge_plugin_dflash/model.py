@@ -111,6 +111,7 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
         own_q, own_k, own_v = _blockwise(q, bs), _blockwise(k[:, :, s:], bs), _blockwise(v[:, :, s:], bs)
         own_out, own_lse = cpu_flash_attention(own_q, own_k, own_v)
         out, lse = _unblockwise(own_out, batch).float(), _unblockwise(own_lse, batch)
+        del own_q, own_k, own_v, own_out, own_lse  # block-major copies: not kept through the context calls
         for group, bias in zip(pattern.groups, pattern.context_bias):
             if bias is None:
                 continue
@@ -135,6 +136,7 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
         grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         grad_k[:, :, s:], grad_v[:, :, s:] = _unblockwise(own[1], batch), _unblockwise(own[2], batch)
+        del own  # the block-major gradients, copied out: not kept through the context calls
         for group, bias in zip(pattern.groups, pattern.context_bias):
             if bias is None:
                 continue
