@@ -129,9 +129,9 @@ def compare(commit_tree: str, commit: str, name: str, dtype_name: str, args: arg
             proc.close()
     ratios = sorted(c / h for h, c in zip(seconds["here"], seconds["commit"]))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"bench": "versus_commit", "commit": commit, "strategy": name, "dtype": dtype_name, "shapes": args.shapes,
-            "threads": 1,
-            "pairs": args.pairs, "ms_here": statistics.median(seconds["here"]) * 1e3,
+    return {"bench": "versus_commit", "commit": commit, "strategy": name, "dtype": dtype_name,
+            "shapes": args.shapes, "threads": 1, "pairs": args.pairs,
+            "ms_here": statistics.median(seconds["here"]) * 1e3,
             "ms_commit": statistics.median(seconds["commit"]) * 1e3, "speedup": statistics.median(ratios),
             "speedup_p25": quartiles[0], "speedup_p75": quartiles[2], "load_before": load_before,
             "load_after": os.getloadavg()[0]}
