@@ -553,9 +553,11 @@ def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(mo
     assert again.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(again_draft, draft)
 
 
-def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloat16_gradients():
+@pytest.mark.parametrize("route", ["native", "fp32"])  # bf16 GEMMs (logits in a float32 scratch chunk) / float32 ones
+def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloat16_gradients(half_gemm, route):
     from specforge_plugin_eagle3.head_loss import SoftTargets
 
+    half_gemm(route)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, 16, generator=gen).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(64, 16, generator=gen) / 4).to(torch.bfloat16).requires_grad_()
