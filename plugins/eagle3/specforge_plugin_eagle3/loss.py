@@ -168,7 +168,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     steps = len(step_hidden)
     teacher_rows = position_mask.reshape(-1).nonzero().squeeze(1)  # j = b*S + t, a host sync
     reach = (teacher_rows % s).clamp(max=steps - 1)  # the deepest step that scores the row
-    teacher_rows = teacher_rows[torch.sort(reach, descending=True, stable=True).indices]
+    teacher_rows = teacher_rows[torch.argsort(reach, descending=True, stable=True)]
     # n_k = #(rows at t >= k) for each step, from the row count per reach: a second host sync
     live = torch.bincount(reach, minlength=steps).flip(0).cumsum(0).flip(0).tolist()
     # every step scores against the same teacher rows: gathered once, read by each step without a copy
