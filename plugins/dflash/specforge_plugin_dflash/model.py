@@ -143,9 +143,10 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
             rows, keys = slice(group.start, group.end), slice(0, group.context)
             part = cpu_flash_attention_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
                                                 out[:, :, rows], lse[:, :, rows], bias=bias[0])
-            grad_q[:, :, rows] += part[0]
-            grad_k[:, :, keys] += part[1]
-            grad_v[:, :, keys] += part[2]
+            grad_q[:, :, rows].add_(part[0])
+            grad_k[:, :, keys].add_(part[1])
+            grad_v[:, :, keys].add_(part[2])
+            del part  # not kept through the next group's call
         return grad_q.to(q_in.dtype), grad_k.to(k_in.dtype), grad_v.to(v_in.dtype), None
 
 
@@ -167,10 +168,12 @@ class DFlashAttention(nn.Module):
                 rope_k: tuple[torch.Tensor, torch.Tensor], mask: BlockPattern, kernel: str) -> torch.Tensor:
         """x ``[B, Q, H]`` (normed block tokens), ctx ``[B, S, H]``, mask ``[B, Q, S+Q]`` or grouped -> ``[B, Q, H]``."""
         batch, queries, _ = x.shape
-        kv_input = torch.cat([ctx, x], dim=1)  # [B, S+Q, H]: [k_proj(ctx) ; k_proj(x)] in one matmul
+        keys = ctx.shape[1] + queries
+        # [k_proj(ctx) ; k_proj(x)] as two matmuls joined: a matmul of the joined inputs would keep that join
+        # for backward, in every layer a copy of the context the layers share, which is kept anyway
         q = self.q_norm(self.q_proj(x).view(batch, queries, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim))
-        v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)
+        k = self.k_norm(torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1).view(batch, keys, -1, self.head_dim))
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1).view(batch, keys, -1, self.head_dim)
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if isinstance(mask, GroupedBlockAttention):
