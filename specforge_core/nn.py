@@ -194,7 +194,8 @@ def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
                  need_w: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The input and weight gradients of :func:`linear` (no bias) given its output's gradient ``grad``,
     computed as its backward computes them (float32 GEMMs where it upcasts), for autograd functions
-    that recompute a linear's input in backward instead of keeping it."""
+    that recompute a linear's input in backward instead of keeping it. Without ``need_w`` only ``x``'s shape
+    and dtype are read: any tensor of those stands in for an input not made yet."""
     if x.dtype == weight.dtype and upcasts(x.numel() // max(1, x.shape[-1]), weight):
         return _upcast_linear_grads(grad, x, weight, need_x, need_w)[:2]
     grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -633,9 +634,8 @@ class _GatedDownProj(torch.autograd.Function):
     ``silu(gate)`` and the product (the down projection's input) too: two more ``[.., I]`` tensors,
     the widest a decoder layer keeps but for the attention's. Backward computes ``silu(gate)`` once,
     for the product and, in its buffer, ``up``'s gradient, and ``gate``'s gradient in the buffer of the
-    product's: at most three ``[.., I]`` tensors at once besides the two it keeps (one fewer than with
-    a buffer of its own for the gate's: DFlash's float32 step in the bench peaked at 1.5 MB less in use
-    and 5 MB less resident)."""
+    product's gradient; the product goes (once the weight's gradient is made) before its gradient is made:
+    at most two ``[.., I]`` tensors at once besides the two it keeps."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -647,9 +647,12 @@ class _GatedDownProj(torch.autograd.Function):
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_weight = ctx.needs_input_grad
         activated = F.silu(gate)
-        product = activated * up
-        grad_product, grad_weight = linear_grads(grad, product, weight, need_gate or need_up, need_weight)
-        del product
+        grad_weight = None
+        if need_weight:  # the product is made for this alone, and goes before its gradient is made
+            grad_weight = linear_grads(grad, activated * up, weight, need_x=False)[1]
+        if not (need_gate or need_up):
+            return None, None, grad_weight
+        grad_product = linear_grads(grad, gate, weight, need_w=False)[0]  # gate: the product's shape and dtype
         grad_up = activated.mul_(grad_product) if need_up else None  # silu(gate) is not needed after this
         del activated
         grad_gate = None
