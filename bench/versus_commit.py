@@ -14,6 +14,7 @@ defaults before). One JSON line per strategy and dtype:
     speedup                   median of the per-pair ratios ``commit seconds / here`` (> 1: here is faster)
     speedup_p25 / _p75        their quartiles
     shapes                    the dimensions (``--shapes``)
+    cpu                       the CPU both workers ran on (``--cpu``, as ``versus_reference.py`` takes it)
     load_before / load_after  the machine's 1-minute load average
 
 On a machine shared with other work single pairs spread by 10-20%; the default 15 pairs put
@@ -130,7 +131,7 @@ def compare(commit_tree: str, commit: str, name: str, dtype_name: str, args: arg
     ratios = sorted(c / h for h, c in zip(seconds["here"], seconds["commit"]))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {"bench": "versus_commit", "commit": commit, "strategy": name, "dtype": dtype_name,
-            "shapes": args.shapes, "threads": 1, "pairs": args.pairs,
+            "shapes": args.shapes, "threads": 1, "pairs": args.pairs, "cpu": args.cpu,
             "ms_here": statistics.median(seconds["here"]) * 1e3,
             "ms_commit": statistics.median(seconds["commit"]) * 1e3, "speedup": statistics.median(ratios),
             "speedup_p25": quartiles[0], "speedup_p75": quartiles[2], "load_before": load_before,
@@ -142,6 +143,8 @@ def main() -> None:
         tree, name, dtype_name, ttt_length, shapes = sys.argv[2:7]
         worker(tree, name, dtype_name, int(ttt_length), shapes)
         return
+    import versus_reference  # this checkout's (the workers import their own tree's): --cpu as it takes it
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commit", required=True, help="the commit to compare with (anything git rev-parse takes)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma separated (default: all)")
@@ -151,7 +154,11 @@ def main() -> None:
     parser.add_argument("--shapes", choices=("tiny", "smollm2"), default="tiny",
                         help="the dimensions, as versus_reference.py --shapes takes them (default tiny; a commit "
                              "whose versus_reference.py lacks them cannot be compared at them)")
+    parser.add_argument("--cpu", type=int, default=None, help=versus_reference.CPU_HELP)
     args = parser.parse_args()
+    args.cpu = versus_reference.resolve_cpu(args.cpu)
+    if args.cpu is not None:  # the workers inherit it; this process only waits for them
+        os.sched_setaffinity(0, {args.cpu})
     for name in args.strategies.split(","):
         if name not in STRATEGIES:
             sys.exit(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")

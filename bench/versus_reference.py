@@ -539,6 +539,24 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
             "kernels": kernels(family, args), "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
+#: ``--cpu``'s help (``versus_commit.py`` takes the option too).
+CPU_HELP = ("the CPU both workers run on (default: the first this process may use; -1: wherever the scheduler puts "
+            "them). They step in turn, never at once, so one CPU serves both, and a pair's two steps then run on the "
+            "same core: on a virtual machine two cores' speeds can differ by 10-20%% from one minute to the next")
+
+
+def resolve_cpu(requested: int | None) -> int | None:
+    """``--cpu`` as given -> the CPU to run the workers on, or None for wherever the scheduler puts them; exits
+    with a message for a CPU this process may not use."""
+    if requested is None and hasattr(os, "sched_getaffinity"):
+        return min(os.sched_getaffinity(0))
+    if requested == -1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    if requested not in os.sched_getaffinity(0):
+        sys.exit(f"--cpu {requested}: this process may run on CPUs {sorted(os.sched_getaffinity(0))} only")
+    return requested
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma separated (default: all)")
@@ -556,21 +574,12 @@ def main() -> None:
                         help="what ours is compared with: the textbook step (default), the textbook step under "
                              "torch.compile (compiled; its untimed first step compiles), or ours without compile "
                              "(eager; with --compile: what compiling changes)")
-    parser.add_argument("--cpu", type=int, default=None,
-                        help="the CPU both workers run on (default: the first this process may use; -1: wherever "
-                             "the scheduler puts them). They step in turn, never at once, so one CPU serves both, "
-                             "and a pair's two steps then run on the same core: on a virtual machine two cores' "
-                             "speeds can differ by 10-20%% from one minute to the next")
+    parser.add_argument("--cpu", type=int, default=None, help=CPU_HELP)
     parser.add_argument("--system-heap", action="store_true",
                         help="leave ours on the C library's default heap policy too, instead of keeping the heap "
                              "between steps as the trainer does (train.keep_heap): what that setting is worth")
     args = parser.parse_args()
-    if args.cpu is None and hasattr(os, "sched_getaffinity"):
-        args.cpu = min(os.sched_getaffinity(0))
-    elif args.cpu == -1 or not hasattr(os, "sched_setaffinity"):
-        args.cpu = None
-    elif args.cpu not in os.sched_getaffinity(0):
-        sys.exit(f"--cpu {args.cpu}: this process may run on CPUs {sorted(os.sched_getaffinity(0))} only")
+    args.cpu = resolve_cpu(args.cpu)
     for name in args.strategies.split(","):
         if name not in STRATEGIES:
             sys.exit(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
