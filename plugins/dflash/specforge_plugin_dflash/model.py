@@ -166,7 +166,8 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], mask: BlockPattern, kernel: str) -> torch.Tensor:
-        """x ``[B, Q, H]`` (normed block tokens), ctx ``[B, S, H]``, mask ``[B, Q, S+Q]`` or grouped -> ``[B, Q, H]``."""
+        """x ``[B, Q, H]`` (normed block tokens), ctx ``[B, S, H]``, mask ``[B, Q, S+Q]`` or grouped ->
+        ``[B, Q, H]``."""
         batch, queries, _ = x.shape
         keys = ctx.shape[1] + queries
         # [k_proj(ctx) ; k_proj(x)] as two matmuls joined: a matmul of the joined inputs would keep that join
