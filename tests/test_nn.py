@@ -278,6 +278,21 @@ def test_gated_down_proj_has_the_written_out_gradients_in_float64():
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("wanted", ["gate", "up", "weight"])
+def test_gated_down_proj_gives_one_inputs_gradient_alone_as_the_written_out_form_does(wanted):
+    """Backward with only one input wanting a gradient: that gradient, bit for bit the written-out form's."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up = (torch.randn(2, 16, 24, generator=gen) * 2 for _ in range(2))
+    weight = torch.randn(8, 24, generator=gen) / 5
+    grad = torch.randn(2, 16, 8, generator=gen)
+    got, want = [], []
+    for fn, out in ((gated_down_proj, got), (lambda g, u, w: linear(F.silu(g) * u, w), want)):
+        leaves = {"gate": gate.clone(), "up": up.clone(), "weight": weight.clone()}
+        leaves[wanted].requires_grad_()
+        out.append(torch.autograd.grad(fn(leaves["gate"], leaves["up"], leaves["weight"]), leaves[wanted], grad)[0])
+    assert got[0].shape == want[0].shape and torch.equal(got[0], want[0])
+
+
 @pytest.mark.parametrize("route", ["native", "fp32"])  # half precision through torch's kernel / as float32 GEMMs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_down_proj_is_the_written_out_form_bit_for_bit(half_gemm, route, dtype):

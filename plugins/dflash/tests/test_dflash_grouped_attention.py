@@ -126,3 +126,38 @@ def test_cpu_merged_attention_in_bfloat16_is_no_further_from_the_float32_result_
             errors[name] = max(errors[name], *(float((got.float() - want).abs().max() / want.abs().max())
                                                for got, want in zip(results, exact_results)))
     assert 0 < errors["merged"] <= errors["dense"] < 2.0 ** -5
+
+
+def test_attention_keeps_the_shared_context_for_backward_not_a_joined_copy_per_layer():
+    """k and v come from the context and the block rows as two matmuls joined after: backward keeps the
+    context tensor itself (which every layer shares), no ``[B, S+Q, H]`` join of it with the block rows, and
+    the result is the joined-input matmul's."""
+    from specforge_core.nn import rope_cos_sin
+    from specforge_plugin_dflash.config import DFlashConfig
+    from specforge_plugin_dflash.model import DFlashAttention
+
+    torch.manual_seed(0)
+    batch, seq, queries, hidden = 2, 12, 8, 16
+    config = DFlashConfig(hidden_size=hidden, intermediate_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                          head_dim=8, vocab_size=10, block_size=4)
+    attn = DFlashAttention(config)
+    ctx, x = torch.randn(batch, seq, hidden, requires_grad=True), torch.randn(batch, queries, hidden)
+    positions = torch.arange(seq + queries).expand(batch, -1)
+    rope_k = [t[:, :, None] for t in rope_cos_sin(positions, 8, 10000.0)]
+    rope_q = [t[:, seq:] for t in rope_k]
+    mask = torch.ones(batch, queries, seq + queries, dtype=torch.bool)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = attn(x, ctx, rope_q, rope_k, mask, "sdpa")
+    assert not any(t.shape == (batch, seq + queries, hidden) for t in saved)
+    assert any(t.untyped_storage().data_ptr() == ctx.untyped_storage().data_ptr() for t in saved)
+    joined = torch.cat([ctx, x], dim=1)
+    k = attn.k_norm((joined @ attn.k_proj.weight.t()).view(batch, seq + queries, 2, 8))
+    v = (joined @ attn.v_proj.weight.t()).view(batch, seq + queries, 2, 8)
+    q = attn.q_norm((x @ attn.q_proj.weight.t()).view(batch, queries, 4, 8))
+    from specforge_core.nn import apply_rope
+    q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            enable_gqa=True)
+    want = attn.o_proj(want.transpose(1, 2).reshape(batch, queries, -1))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
