@@ -132,7 +132,7 @@ def test_attention_keeps_the_shared_context_for_backward_not_a_joined_copy_per_l
     """k and v come from the context and the block rows as two matmuls joined after: backward keeps the
     context tensor itself (which every layer shares), no ``[B, S+Q, H]`` join of it with the block rows, and
     the result is the joined-input matmul's."""
-    from specforge_core.nn import rope_cos_sin
+    from specforge_core.nn import apply_rope, rope_cos_sin
     from specforge_plugin_dflash.config import DFlashConfig
     from specforge_plugin_dflash.model import DFlashAttention
 
@@ -155,7 +155,6 @@ def test_attention_keeps_the_shared_context_for_backward_not_a_joined_copy_per_l
     k = attn.k_norm((joined @ attn.k_proj.weight.t()).view(batch, seq + queries, 2, 8))
     v = (joined @ attn.v_proj.weight.t()).view(batch, seq + queries, 2, 8)
     q = attn.q_norm((x @ attn.q_proj.weight.t()).view(batch, queries, 4, 8))
-    from specforge_core.nn import apply_rope
     q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                             enable_gqa=True)
