@@ -30,8 +30,9 @@ def test_a_step_against_a_commit_in_pairs_leaves_no_worktree_behind():
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = proc.stdout.strip().splitlines()
     record = json.loads(line)
-    assert (record["bench"], record["strategy"], record["dtype"], record["pairs"]) == (
-        "versus_commit", "dflash", "float32", 2)
+    assert (record["bench"], record["strategy"], record["dtype"], record["pairs"], record["shapes"]) == (
+        "versus_commit", "dflash", "float32", 2, "tiny")
+    assert record["cpu"] == min(os.sched_getaffinity(0))  # both workers on the first CPU this process may use
     assert record["commit"] == _git("rev-parse", "HEAD").stdout.strip()
     assert record["ms_here"] > 0 and record["ms_commit"] > 0
     assert record["speedup_p25"] <= record["speedup"] <= record["speedup_p75"]
@@ -45,3 +46,12 @@ def test_an_unknown_commit_or_strategy_is_refused_naming_it():
     proc = _bench("--commit", "HEAD", "--strategies", "medusa")
     assert proc.returncode != 0
     assert "unknown strategy 'medusa'; choose from eagle3, dflash, domino, dspark" in proc.stderr
+
+
+def test_a_cpu_this_process_may_not_use_is_refused_before_any_worktree_is_made():
+    worktrees = _git("worktree", "list").stdout
+    allowed = sorted(os.sched_getaffinity(0))
+    proc = _bench("--commit", "HEAD", "--strategies", "dflash", "--cpu", str(max(allowed) + 1))
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert f"--cpu {max(allowed) + 1}: this process may run on CPUs {allowed} only" in proc.stderr
+    assert _git("worktree", "list").stdout == worktrees
