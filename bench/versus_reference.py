@@ -129,7 +129,7 @@ OPTIMIZER = {"ours": {"cpu": "AdamW on torch's fused kernel, one call per parame
 HEAP = {"ours": "kept between steps, as the trainer keeps it (train.keep_heap: specforge_core.heap.keep_heap)",
         "reference": "glibc's defaults: the heap's free top handed back to the system as a step ends"}
 
-#: The dimensions each comparison runs at (``--shapes``), per family. ``tiny``: the issue's (EAGLE3's H 256 and
+#: The dimensions each comparison runs at (``--shapes``), per family. ``tiny``: small ones (EAGLE3's H 256 and
 #: Vd 4096; the DFlash family's, bench/dflash_step.py's ``tiny`` preset). ``smollm2``: SmolLM2-135M-Instruct's own
 #: (H 576, 9 query heads of 64 over 3 key-value heads, MLP 1536, 30 layers, vocabulary 49152; EAGLE3's draft
 #: vocabulary at its 32000 cap) at the same tokens per step.
@@ -564,9 +564,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=7, help="timed step pairs per comparison (default 7)")
     parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE3 unroll steps (default 7)")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="tiny",
-                        help="the dimensions: tiny (default; the issue's: EAGLE3 H 256, Vd 4096, the DFlash family "
-                             "H 128, V 1024) or smollm2 (SmolLM2-135M's H 576, 9/3 heads of 64, MLP 1536, V "
-                             "49152; EAGLE3's Vd 32000), both at 1024 tokens a step (B x S) and 1024 block rows")
+                        help="the dimensions: tiny (default: EAGLE3 H 256, Vd 4096, the DFlash family H 128, "
+                             "V 1024) or smollm2 (SmolLM2-135M's H 576, 9/3 heads of 64, MLP 1536, V 49152; "
+                             "EAGLE3's Vd 32000), both at the same tokens a step: EAGLE3 1024 (B x S), the DFlash "
+                             "family 2048 context tokens and 1024 block rows")
     parser.add_argument("--compile", action="store_true",
                         help="run ours with the strategy's compile option (its layers under torch.compile; the "
                              "untimed first step compiles, first_step_s_ours says how long)")

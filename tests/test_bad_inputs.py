@@ -562,7 +562,7 @@ def test_a_bad_input_is_answered_with_a_message_and_loses_nothing(name, request,
     assert after == before
 
 
-def test_the_catalogue_holds_every_case_of_the_issue_and_thirty_in_all():
+def test_the_catalogue_holds_every_known_defect_and_thirty_in_all():
     defects = {"rerun_into_a_finished_run", "deleted_feature_file", "resume_with_a_changed_contract",
                "malformed_rows_are_skipped_and_reported", "damaged_stream_database", "output_this_user_cannot_write",
                "consumer_with_another_seed"}

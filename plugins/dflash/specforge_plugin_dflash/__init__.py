@@ -110,7 +110,8 @@ class DFlashOptions:
         False, "torch.compile each draft decoder layer (dynamic shapes; the attention over the block pattern "
                "stays eager). The first steps pay for compiling (on CPU about a minute, and it needs a C++ "
                "compiler); measured on CPU at the bench's tiny shapes: 0.97-1.20x the eager step's speed in float32 "
-               "with 12-15% less memory, 0.93-1.00x in bfloat16 (see the README's benchmarks). Checkpoints and exports are the same either way.", check=compilable)
+               "with 12-15% less memory, 0.93-1.00x in bfloat16 (docs/benchmarks.md). Checkpoints and exports "
+               "are the same either way.", check=compilable)
     dtype: str = option("float32", "Dtype of the trainable draft weights (bfloat16 trains with fp32 master "
                                    "weights in the optimizer).", choices=("float32", "bfloat16"))
     init_std: float = option(0.02, "Standard deviation of the initial draft weights.", check=positive)

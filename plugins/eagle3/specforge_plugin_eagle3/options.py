@@ -76,7 +76,7 @@ class Eagle3Options:
     compile: bool = option(
         False, "torch.compile the draft's decoder layer (dynamic shapes; the attention over the growing "
                "unroll cache stays eager). The first steps pay for compiling (on CPU about a minute, and it "
-               "needs a C++ compiler); see the README's benchmarks for what it changes. Checkpoints and "
+               "needs a C++ compiler); docs/benchmarks.md measures what it changes. Checkpoints and "
                "exports are the same either way.", check=compilable)
     dtype: str = option("float32", "dtype of the trainable draft weights (and of the export). The frozen "
                                    "target embedding and lm_head keep the target's dtype.",
