@@ -1,6 +1,6 @@
 """The ``dflash`` strategy: capture plan, model, collate, loss, export and speculative decode.
 
-forward_loss, top to bottom (ALGORITHMS.md, "DFlash")::
+forward_loss, top to bottom (docs/algorithms.md, "DFlash")::
 
     blocks  = draw_blocks(input_ids, loss_mask, sample ids)      anchors seeded by (seed, step, id)
     pattern = grouped_block_attention(anchors, lengths)           groups of blocks: context prefix + own blocks
@@ -200,15 +200,17 @@ class DFlashStrategy:
                           for start in range(0, hidden.shape[1], chunk)], dim=1)
 
     @torch.no_grad()
-    def simulated_acceptance(self, model: DFlashBackbone, batch: TrainBatch, *,
-                             label_shift: int = 0) -> dict[str, tuple[float, float]]:
+    def simulated_acceptance(self, model: DFlashBackbone, batch: TrainBatch, *, label_shift: int = 0,
+                             drafted: int | None = None) -> dict[str, tuple[float, float]]:
         """``accept_len_sim`` and ``accept_rate_k``: greedy block decoding replayed over the batch's responses.
 
         A block is drafted at *every* valid anchor (in groups of ``eval_anchor_chunk``
         anchors per pass), its accepted prefix recorded at the anchor, and decoding walked
         over each response (:func:`specforge_core.acceptance.simulated_decode`). The
         ``accept_len`` metric averages blocks at randomly drawn anchors instead: positions a
-        real decode jumps over weigh as much as those it visits.
+        real decode jumps over weigh as much as those it visits. ``label_shift`` and ``drafted``
+        are the blocks' as decoding drafts them (:func:`acceptance_lengths`): a round drafts
+        ``drafted`` tokens, ``bs - 1`` unless given (DSpark drafts all ``bs`` slots).
         """
         from specforge_core.acceptance import simulated_decode
 
@@ -231,10 +233,10 @@ class DFlashStrategy:
             blocks = build_blocks(input_ids, loss_mask, anchors, keep, keep.sum(1), block_size=bs,
                                   mask_token_id=model.config.mask_token_id, label_shift=label_shift)
             correct = (self.block_predictions(model, batch, blocks) == blocks.labels) & blocks.label_mask
-            drafts = acceptance_lengths(correct, label_shift=label_shift) - 1  # [B, width]
+            drafts = acceptance_lengths(correct, label_shift=label_shift, drafted=drafted) - 1  # [B, width]
             for b, part in enumerate(parts):
                 accepted[b, part] = drafts[b, :len(part)]
-        return simulated_decode(accepted, loss_mask.bool(), bs - 1)
+        return simulated_decode(accepted, loss_mask.bool(), bs - 1 if drafted is None else drafted)
 
     def derived_metrics(self, pooled: Mapping[str, float]) -> dict[str, float]:
         """``tau_sim``: the former figure, ``accept_len - 1`` (bonus excluded, random anchors), kept one release;

@@ -1,6 +1,6 @@
 """The ``dspark`` strategy: DFlash's strategy with shifted labels, the two heads and the combined loss.
 
-forward_loss, top to bottom (ALGORITHMS.md, "DSpark")::
+forward_loss, top to bottom (docs/algorithms.md, "DSpark")::
 
     blocks  = draw_blocks(..., label_shift=1)                  slot k predicts anchor+k+1; w = valid·exp(-k/γ)
     hidden  = block_hidden(blocks)                             [B, N, bs, H]   DFlash's backbone
@@ -132,7 +132,7 @@ class DSparkStrategy(DFlashStrategy):
                   "confidence_error": (float(((confidence - accept).abs() * mask).sum()), float(mask.sum())),
                   **no_anchor_samples(blocks.num_valid)}
         if not ctx.training:
-            ratios.update(self.simulated_acceptance(model, batch, label_shift=LABEL_SHIFT))
+            ratios.update(self.simulated_acceptance(model, batch, label_shift=LABEL_SHIFT, drafted=blocks.block_size))
         return StepOutput(loss=loss, ratio_metrics=ratios)
 
     def block_predictions(self, model: DSparkBackbone, batch: TrainBatch, blocks: Any) -> torch.Tensor:

@@ -123,6 +123,19 @@ def test_acceptance_length_counts_all_slots_as_drafts():
     assert acceptance_lengths(correct, label_shift=1).tolist() == [[4, 2, 1]]  # Domino's: bs-1 drafted slots
 
 
+def test_the_replayed_decode_drafts_all_bs_slots_a_round(make_draft, monkeypatch):
+    """A draft right at every slot: a 20-token reply (positions 10..29, the first from the prompt's forward) takes
+    rounds of bs = 4 drafts plus the bonus, as DSpark decodes, not DFlash's bs - 1 (which would take 5 rounds)."""
+    strategy, model = make_draft()
+    assert model.config.block_size == 4
+    batch = batch_for(strategy, lengths=(30,))
+    monkeypatch.setattr(strategy, "block_predictions", lambda model, batch, blocks: blocks.labels)
+    with torch.no_grad():
+        ratios = strategy.forward_loss(model, batch, StepContext(global_step=2, total_steps=8, training=False)).ratio_metrics
+    assert ratios["accept_len_sim"] == (19.0, 4.0)  # 5 + 5 + 5 + 4: the last round ends on the turn's end token
+    assert ratios["accept_rate_4"] == (4.0, 4.0) and "accept_rate_5" not in ratios
+
+
 def test_the_confidence_target_is_detached_so_its_loss_does_not_train_the_logits(make_draft):
     strategy, model = make_draft(num_anchors=4, ce_loss_alpha=0.0, l1_loss_alpha=0.0)
     strategy.forward_loss(model, batch_for(strategy), CTX).loss.backward()
