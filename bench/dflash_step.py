@@ -32,7 +32,7 @@ from specforge_core.training.optim import build_optimizer
 from specforge_plugin_dflash import DFlashOptions
 from specforge_plugin_dflash.strategy import DFlashStrategy
 
-#: Target-shaped dimensions (ALGORITHMS.md, "Reference sizes").
+#: Target-shaped dimensions (docs/algorithms.md, "Reference sizes").
 PRESETS = {
     "tiny": dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384, vocab=1024, target_layers=8,
                  layers=2, seq=512, anchors=16, batch=4),

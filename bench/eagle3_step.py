@@ -16,7 +16,7 @@ nothing is downloaded. Prints one JSON line:
                        steps 1..K-1), so on batches with a prompt part ``mfu`` can exceed 1
 
     python bench/eagle3_step.py --threads 1                     # H=256, V=4096, S=512, B=2, K=7 on CPU
-    python bench/eagle3_step.py --preset qwen2.5-0.5b           # ALGORITHMS.md's 33M-param draft
+    python bench/eagle3_step.py --preset qwen2.5-0.5b           # docs/algorithms.md's 33M-param draft
     python bench/eagle3_step.py --preset qwen3-8b --device cuda --seq-len 2048 --batch 1
 """
 

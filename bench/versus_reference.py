@@ -1,6 +1,6 @@
 """Each strategy's train step against a plain textbook reference of the same step, at equal shapes.
 
-The reference is the algorithm as ALGORITHMS.md writes it, with the same weights and
+The reference is the algorithm as docs/algorithms.md writes it, with the same weights and
 batch: dense boolean masks (EAGLE3: an S x S causal mask filled into the scores at every
 unroll step, plus the diagonal keys; the DFlash family: one ``[N*bs, S + N*bs]`` mask for
 SDPA over ``[context ; blocks]``), full-vocabulary logits materialised at once, a full
@@ -255,7 +255,7 @@ def _mlp(mlp, x):
 
 
 def eagle3_reference_loss(strategy, model, batch):
-    """ALGORITHMS.md § EAGLE3 written out: per step a dense causal mask filled into the S x S scores, the
+    """docs/algorithms.md § EAGLE3 written out: per step a dense causal mask filled into the S x S scores, the
     diagonal keys of earlier steps, a full log_softmax loss and full-distribution metrics."""
     import torch
     import torch.nn.functional as F
@@ -308,7 +308,7 @@ def eagle3_reference_loss(strategy, model, batch):
 
 
 def _dense_backbone(model, batch, blocks):
-    """The DFlash backbone as ALGORITHMS.md writes it: every layer attends over [context ; all blocks] with the
+    """The DFlash backbone as docs/algorithms.md writes it: every layer attends over [context ; all blocks] with the
     dense block mask."""
     import torch
     import torch.nn.functional as F

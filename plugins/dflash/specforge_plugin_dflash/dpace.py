@@ -2,7 +2,7 @@
 
 A DFlash-family loss sums a cross-entropy per block position. ``loss_type: dflash`` weights
 position k by DFlash's decay (see :mod:`.blocks`) and divides by the weights' sum; the D-PACE
-types weight it by how much accepted continuation it is worth (ALGORITHMS.md, "D-PACE")::
+types weight it by how much accepted continuation it is worth (docs/algorithms.md, "D-PACE")::
 
     p_k = exp(-CE_k)                          the draft's probability of the label
     s_k = (1 - α)·p_k + α                     smoothed (α = dpace_alpha); s = 1 where m_k = 0

@@ -1,4 +1,4 @@
-"""The DFlash draft network (ALGORITHMS.md, "DFlash"), one class per concept.
+"""The DFlash draft network (docs/algorithms.md, "DFlash"), one class per concept.
 
     ctx    = hidden_norm(fc(target_hidden))                 [B, S, H]   fc: n*H -> H, no bias
     x      = embed_tokens(block_ids)                        [B, Q, H]   frozen target embedding

@@ -20,7 +20,7 @@ def target(layers=8, hidden=32, vocab=97, **extra):
 
 def test_default_layer_ids_follow_the_dflash_formula_on_real_targets():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]   # Qwen3-8B
-    assert default_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]   # Qwen2.5-0.5B (ALGORITHMS.md)
+    assert default_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]   # Qwen2.5-0.5B (docs/algorithms.md)
     assert default_target_layer_ids(36, 1) == [18]
     assert default_target_layer_ids(6, 3) == [1, 2, 3]             # the formula still fits
 

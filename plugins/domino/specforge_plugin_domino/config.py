@@ -2,7 +2,7 @@
 
 Pure Python (no torch). :class:`DominoHeadConfig` is derived from the options and the
 target, written into the export's ``dflash_config`` (next to DFlash's own fields) and read
-back by ``load_export``. The two alignments (ALGORITHMS.md, "Domino"), for a block of size
+back by ``load_export``. The two alignments (docs/algorithms.md, "Domino"), for a block of size
 bs anchored at ``a``:
 
     ============================  ==============================  ==============================

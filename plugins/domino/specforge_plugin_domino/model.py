@@ -1,4 +1,4 @@
-"""The Domino draft network: DFlash's backbone plus the correction head (ALGORITHMS.md, "Domino").
+"""The Domino draft network: DFlash's backbone plus the correction head (docs/algorithms.md, "Domino").
 
     hidden  = DFlashBackbone(target_hidden, block)            [.., bs, H]   h_k, unchanged DFlash
     base    = lm_head(hidden)                                 [.., bs, V]   frozen target lm_head

@@ -1,4 +1,4 @@
-"""The base-loss weight λ over a run (ALGORITHMS.md, "Domino").
+"""The base-loss weight λ over a run (docs/algorithms.md, "Domino").
 
     L        = (1 − λ)·final + λ·base
     λ(step)  = clamp(λ_start · (1 − min(step / max(1, floor(T·r)), 1)), 0, 1)

@@ -1,6 +1,6 @@
 """The ``domino`` strategy: DFlash's strategy with the correction head, the dual loss and λ.
 
-forward_loss, top to bottom (ALGORITHMS.md, "Domino")::
+forward_loss, top to bottom (docs/algorithms.md, "Domino")::
 
     blocks  = draw_blocks(..., label_shift)                      DFlash's anchors, labels, weights
     hidden  = block_hidden(blocks)                               [B, N, bs, H]   DFlash's backbone

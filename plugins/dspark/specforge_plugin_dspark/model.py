@@ -1,4 +1,4 @@
-"""The DSpark draft network: DFlash's backbone plus a Markov head and a confidence head (ALGORITHMS.md, "DSpark").
+"""The DSpark draft network: DFlash's backbone plus a Markov head and a confidence head (docs/algorithms.md, "DSpark").
 
     hidden  = DFlashBackbone(target_hidden, block)              [.., bs, H]   h_k, unchanged DFlash
     base    = lm_head(hidden)                                   [.., bs, V]   frozen target lm_head

@@ -1,6 +1,6 @@
 """EAGLE3's training objective: alignment, the teacher, the unrolled loss and its metrics.
 
-Normalisation (ALGORITHMS.md allows either): the loss is per *supervised token*,
+Normalisation (docs/algorithms.md allows either): the loss is per *supervised token*,
 
     L = sum_k decay^k * S_k / N_0
     S_k = sum_(b,t) position_mask_k[b,t] * CE(p_T_k[b,t], logits_k[b,t])
@@ -35,7 +35,7 @@ def align(input_ids: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.T
     After this, position t pairs the aux features of token t with token t+1 and the target's
     distribution at t+1 (whose argmax is token t+2). Which positions train (``positions``):
 
-    * ``"reference"`` (ALGORITHMS.md, SpecForge): the loss mask unshifted, each sample's last
+    * ``"reference"`` (docs/algorithms.md, SpecForge): the loss mask unshifted, each sample's last
       real position zeroed (``loss_mask * shift_left(attention_mask)``: it has no token t+1);
     * ``"decode"``: the positions speculative decoding drafts from, ``loss_mask[t+1] *
       loss_mask[t+2]``. A round drafts after the target's last token t+1; that token is a
@@ -147,7 +147,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     """The unrolled loss and its ratio metrics.
 
     ``step_hidden[k] [B, S, h]`` at position t is supervised by the teacher at t+k: the
-    ALGORITHMS.md left shift of p_T, position_mask and loss_mask by one per step (zero
+    docs/algorithms.md left shift of p_T, position_mask and loss_mask by one per step (zero
     fill). Only supervised rows reach the vocabulary head: the teacher rows j with
     ``position_mask[j]`` are found once, and step k scores hidden row j-k against teacher
     row j, for the rows at positions t >= k (a row at t < k has no hidden row that deep).

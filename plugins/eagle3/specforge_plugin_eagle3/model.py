@@ -1,4 +1,4 @@
-"""The EAGLE3 draft model — read it against ALGORITHMS.md § EAGLE3.
+"""The EAGLE3 draft model — read it against docs/algorithms.md § EAGLE3.
 
 Notation: B batch, S sequence, H target hidden, h draft hidden (= H here), V target vocab,
 Vd draft vocab, nh / nkv attention / key-value heads, d head dim.
@@ -480,7 +480,7 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def draft_to_target_index(self) -> torch.Tensor:
-        """[Vd]: the target id of each draft id (``used`` in ALGORITHMS.md)."""
+        """[Vd]: the target id of each draft id (``used`` in docs/algorithms.md)."""
         return self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

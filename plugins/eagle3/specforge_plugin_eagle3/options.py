@@ -57,7 +57,8 @@ class Eagle3Options:
               "layer inputs only). None = [1, L//2-1, L-4] for targets with L >= 8 layers, [0, L//2-1, L-2] for "
               "4 <= L < 8.",
         check=_check_aux_layer_ids)
-    loss_decay: float = option(0.8, "Geometric weight of the unroll steps: the loss is sum_k loss_decay^k * ploss_k.",
+    loss_decay: float = option(0.8, "Geometric weight of the unroll steps: the loss is sum_k loss_decay^k * S_k / N_0, "
+                                    "S_k step k's summed soft cross-entropy, N_0 the tokens step 0 supervises.",
                                check=_check_decay)
     intermediate_size: int | None = option(None, "Width of the draft's SwiGLU MLP. None = the target's.",
                                            check=positive)
@@ -65,7 +66,7 @@ class Eagle3Options:
                                           "acceptance (speculate). None = ttt_length.", check=positive)
     loss_positions: str = option(
         "decode", "Which positions train. decode: those speculative decoding drafts from (after each response "
-                  "token but the last, the first round after the prompt included). reference: ALGORITHMS.md's and "
+                  "token but the last, the first round after the prompt included). reference: docs/algorithms.md's and "
                   "SpecForge's unshifted loss mask, which skips the first round of every reply and trains two "
                   "positions past its end.", choices=("decode", "reference"))
     trim_unroll: bool = option(
@@ -78,13 +79,13 @@ class Eagle3Options:
                "unroll cache stays eager). The first steps pay for compiling (on CPU about a minute, and it "
                "needs a C++ compiler); docs/benchmarks.md measures what it changes. Checkpoints and "
                "exports are the same either way.", check=compilable)
-    dtype: str = option("float32", "dtype of the trainable draft weights (and of the export). The frozen "
-                                   "target embedding and lm_head keep the target's dtype.",
+    dtype: str = option("float32", "dtype of the trainable draft weights (the export's is train.export_dtype). "
+                                   "The frozen target embedding and lm_head keep the target's dtype.",
                         choices=("float32", "bfloat16"))
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """The ALGORITHMS.md default ``[1, L//2-1, L-4]``; small targets get ``[0, L//2-1, L-2]``.
+    """The docs/algorithms.md default ``[1, L//2-1, L-4]``; small targets get ``[0, L//2-1, L-2]``.
 
     Below 8 layers the default ids collide (L=6 gives [1, 2, 2]) or leave the range, so
     small targets take the first layer, the middle one and the last one a serving engine can

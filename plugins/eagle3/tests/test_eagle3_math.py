@@ -383,7 +383,7 @@ def test_ttt_loss_scores_each_step_at_the_positions_that_deep_in_every_sample_wi
 
 def supervised_at(mask, u, n, positions):
     """Whether the target at aligned position u (token u + 2) is supervised, per ``loss_positions``."""
-    if positions == "reference":  # ALGORITHMS.md: token u is a response token and u + 1 exists
+    if positions == "reference":  # docs/algorithms.md: token u is a response token and u + 1 exists
         return u + 1 < n and bool(mask[u])
     return u + 2 < n and bool(mask[u + 1]) and bool(mask[u + 2])  # decode: bonus u + 1 and draft u + 2 in the reply
 
