@@ -4,14 +4,16 @@ file or document names exists, and a document named without its directory is one
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: directories that hold no documents of ours
-SKIPPED = {".git", ".venv", "node_modules", "build", "dist", "__pycache__", ".pytest_cache"}
+#: directories that hold no documents of ours, besides hidden ones (``.git``, virtual environments such as
+#: ``.venv``, caches)
+SKIPPED = {"site-packages", "node_modules", "build", "dist", "__pycache__"}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 DOCS_NAME = re.compile(r"\bdocs/[\w-]+\.md\b")
 #: a document named without its directory, as a README names its neighbours
@@ -20,9 +22,9 @@ BARE_NAME = re.compile(r"(?<![\w/.-])([A-Za-z][\w-]*\.md)\b")
 
 def _files(*suffixes: str) -> list[Path]:
     found = []
-    for path in ROOT.rglob("*"):
-        if path.suffix in suffixes and path.is_file() and not SKIPPED & set(path.relative_to(ROOT).parts):
-            found.append(path)
+    for folder, subfolders, names in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name not in SKIPPED]
+        found += [Path(folder) / name for name in names if Path(name).suffix in suffixes]
     return sorted(found)
 
 
