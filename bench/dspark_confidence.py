@@ -25,25 +25,34 @@ from typing import Any
 import torch
 
 from specforge_core.protocols import BuildContext
-from specforge_core.speculative import measure_acceptance, prompts_from_jsonl
+from specforge_core.speculative import PLAIN_DECODE, measure_acceptance, prompts_from_jsonl
 
 from specforge_plugin_dspark import DSparkOptions
 from specforge_plugin_dspark.strategy import DSparkStrategy
 
 
 class CountingEngine:
-    """The target engine with each verify session counting the tokens its forwards run (the prefill apart)."""
+    """The target engine with each speculative decode's session counting the tokens its forwards run (the prefill
+    apart). The reference greedy decodes (opened with ``PLAIN_DECODE``) are not counted."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self.verified_tokens = 0
+        self.per_session: list[int] = []  # tokens verified, per speculative decode, in order
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens verified by the timed decodes: measure_acceptance's first one is its untimed warm-up."""
+        return sum(self.per_session[1:])
+
     def session(self, prompt_ids: Any, plan: Any) -> Any:
         session = self._engine.session(prompt_ids, plan)
-        counter = self
+        if plan == PLAIN_DECODE:
+            return session
+        counts, index = self.per_session, len(self.per_session)
+        counts.append(0)
 
         class Counting:
             prefill = session.prefill
@@ -53,7 +62,7 @@ class CountingEngine:
                 return session.length
 
             def extend(self, ids: Any) -> Any:
-                counter.verified_tokens += len(ids)
+                counts[index] += len(ids)
                 return session.extend(ids)
 
             def truncate(self, length: int) -> None:
@@ -88,8 +97,7 @@ def main() -> None:
         result = measure_acceptance(strategy, model, engine, prompts, max_new_tokens=args.max_new_tokens,
                                     progress=False)
         seconds = time.perf_counter() - started
-        # measure_acceptance decodes greedily first (reference output): those forwards run one token each
-        verified = engine.verified_tokens - sum(p["tokens"] - 1 for p in result["per_prompt"])
+        verified = engine.verified_tokens
         row = {"bench": "dspark_confidence", "confidence_threshold": threshold, "prompts": result["prompts"],
                "tau_real": round(result["tau_real"], 4), "target_forwards": result["target_forwards"],
                "tokens": result["tokens"], "verified_tokens": verified,

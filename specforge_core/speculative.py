@@ -32,6 +32,10 @@ SPEEDUP_CONVENTION = ("wall-clock new tokens per second of speculative decoding 
                       "decode, batch 1, same engine, prompts and threads, prefill included in both; measured on "
                       "this machine's engine, it is not a serving engine's speedup on a GPU")
 
+#: The plan of the target's plain greedy decode, the reference eval times speculative decoding against: no
+#: layer captured, no last hidden state copied (a draft's features are speculative decoding's own cost).
+PLAIN_DECODE = CapturePlan()
+
 
 class LosslessError(SpecforgeError):
     """Speculative decoding produced different tokens than the target's greedy decode."""
@@ -88,7 +92,8 @@ def prompt_outputs(session: Any, prompt: torch.Tensor) -> dict[str, Any]:
 @torch.no_grad()
 def greedy_decode(engine: Any, prompt_ids: list[int], plan: CapturePlan, *, max_new_tokens: int,
                   eos_token_id: int | Sequence[int] | None) -> list[int]:
-    """The target's own greedy continuation of ``prompt_ids`` (the reference output)."""
+    """The target's own greedy continuation of ``prompt_ids`` (the reference output): one forward for the
+    prompt and one for each new token but the last, whose logits nothing reads."""
     stop = stop_token_ids(eos_token_id)
     session = engine.session(torch.tensor(prompt_ids, dtype=torch.long), plan)
     logits = session.prefill["logits"][-1]
@@ -96,7 +101,7 @@ def greedy_decode(engine: Any, prompt_ids: list[int], plan: CapturePlan, *, max_
     while len(tokens) < max_new_tokens:
         token = int(argmax_last(logits))
         tokens.append(token)
-        if token in stop:
+        if token in stop or len(tokens) == max_new_tokens:
             break
         logits = session.extend(torch.tensor([token], dtype=torch.long))["logits"][-1]
     return tokens
@@ -164,12 +169,14 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
 
     target = engine.info()
     plan = strategy.capture_plan(target)
-    eos = target.extra.get("eos_token_id")
+    # Both decodes stop on every token that ends a reply (the tokenizer's EOS and the generation config's, as
+    # regenerate stops the eval replies); an engine that names no such set stops on its EOS.
+    eos = target.extra.get("stop_token_ids") or target.extra.get("eos_token_id")
     model.eval()
     prompts = list(prompts)
 
-    def greedy(prompt: list[int], limit: int) -> list[int]:
-        return greedy_decode(engine, prompt, plan, max_new_tokens=limit, eos_token_id=eos)
+    def greedy(prompt: list[int], limit: int) -> list[int]:  # plain: it captures none of the draft's features
+        return greedy_decode(engine, prompt, PLAIN_DECODE, max_new_tokens=limit, eos_token_id=eos)
 
     def speculative(prompt: list[int], limit: int) -> Any:
         session = engine.session(torch.tensor(prompt, dtype=torch.long), plan)

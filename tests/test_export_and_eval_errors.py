@@ -149,6 +149,57 @@ def test_measure_acceptance_times_both_decodes_and_reports_their_ratio(tiny_engi
     assert "not a serving engine's speedup on a GPU" in result["speedup_convention"]
 
 
+def test_both_decodes_stop_on_a_stop_token_only_the_generation_config_names(tiny_engine, monkeypatch):
+    """A model whose turns end with a token its generation config names but its tokenizer's EOS is not (as
+    Llama 3's end-of-turn): eval's decodes stop there, as regenerate's replies do, not at max_new_tokens."""
+    from specforge_core.protocols import CapturePlan
+
+    strategy = TargetAsItsOwnDraft()
+    strategy.engine = tiny_engine
+    prompt = tiny_engine.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    free = greedy_decode(tiny_engine, prompt, CapturePlan(layer_ids=(0,), last_hidden=False), max_new_tokens=6,
+                         eos_token_id=None)
+    assert free[2] != tiny_engine.tokenizer.eos_token_id
+    monkeypatch.setattr(tiny_engine._model.generation_config, "eos_token_id", [free[2]])
+    assert free[2] in tiny_engine.info().extra["stop_token_ids"]
+    result = measure_acceptance(strategy, torch.nn.Identity(), tiny_engine, [prompt], max_new_tokens=6, progress=False)
+    assert result["generated_tokens"] == free.index(free[2]) + 1 <= 3
+
+
+def test_the_reference_decode_runs_no_forward_past_its_last_token_and_captures_no_draft_features(
+        tiny_engine, monkeypatch):
+    """A budget of 6 tokens: the prompt's forward and 5 more (the 6th token's logits are never read); stopped at
+    the 3rd token: 2 more. Eval times that decode with no layer captured, the draft's plan being its own cost."""
+    from specforge_core.protocols import CapturePlan
+    from specforge_core.speculative import PLAIN_DECODE
+
+    plans, extends = [], []
+    opened = tiny_engine.session
+
+    def counting_session(prompt_ids, plan):
+        session = opened(prompt_ids, plan)
+        plans.append(plan)
+        extend = session.extend
+        monkeypatch.setattr(session, "extend", lambda ids: extends.append(len(ids)) or extend(ids))
+        return session
+
+    monkeypatch.setattr(tiny_engine, "session", counting_session)
+    prompt = tiny_engine.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    plan = CapturePlan(layer_ids=(0,), last_hidden=True)
+    free = greedy_decode(tiny_engine, prompt, plan, max_new_tokens=6, eos_token_id=None)
+    assert len(free) == 6 and extends == [1] * 5
+    extends.clear()
+    stopped = greedy_decode(tiny_engine, prompt, plan, max_new_tokens=6, eos_token_id=free[2])
+    assert len(stopped) == free.index(free[2]) + 1 and len(extends) == len(stopped) - 1
+    plans.clear()
+    strategy = TargetAsItsOwnDraft()
+    strategy.engine = tiny_engine
+    measure_acceptance(strategy, torch.nn.Identity(), tiny_engine, [prompt], max_new_tokens=6, progress=False)
+    # warm-up, then timed: the reference decode's session, then speculation's (whose stand-in opens another)
+    assert plans == [PLAIN_DECODE, strategy.capture_plan(None), strategy.capture_plan(None)] * 2
+    assert PLAIN_DECODE.layer_ids == () and not PLAIN_DECODE.last_hidden
+
+
 def test_eval_set_takes_only_strategy_and_target_engine_options(tmp_path):
     proc = run_specforge("eval", "--draft", str(tmp_path), "--set", "train.lr=1", expect=2)
     assert "`specforge eval --set` takes strategy.KEY=VALUE and target_engine.KEY=VALUE, not train.*" in proc.stderr

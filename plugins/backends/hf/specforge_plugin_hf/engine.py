@@ -107,6 +107,7 @@ class HFTargetEngine:
             "tokenizer_size": len(self._tokenizer),
             "bos_token_id": self._tokenizer.bos_token_id,
             "eos_token_id": self._tokenizer.eos_token_id,
+            "stop_token_ids": self.stop_token_ids(),  # what ends a reply: decodes stop on these, as regenerate does
             "pad_token_id": self._tokenizer.pad_token_id,
             "unk_token_id": self._tokenizer.unk_token_id,
             "special_token_ids": sorted(int(i) for i in self._tokenizer.all_special_ids),
