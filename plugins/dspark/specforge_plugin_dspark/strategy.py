@@ -138,12 +138,20 @@ class DSparkStrategy(DFlashStrategy):
     def block_predictions(self, model: DSparkBackbone, batch: TrainBatch, blocks: Any) -> torch.Tensor:
         """The drafted token at every block slot, ``[B, N, bs]``: the block logits plus the Markov bias of the
         token before each slot. Teacher-forced tokens equal the drafted ones up to the first miss, which is
-        all an accepted prefix depends on."""
+        all an accepted prefix depends on. With ``confidence_threshold`` > 0, a slot at or after the first whose
+        confidence is below it is not drafted, as decoding cuts the block there: its entry is -1, no token."""
         hidden = self.block_hidden(model, batch, blocks)
-        chunk = self.options.logit_chunk_size
-        return torch.cat([argmax_last(model.logits(hidden[:, start:start + chunk])
-                                      + model.markov_head(blocks.tokens[:, start:start + chunk])[1])
-                          for start in range(0, hidden.shape[1], chunk)], dim=1)
+        chunk, threshold = self.options.logit_chunk_size, self.options.confidence_threshold
+        parts = []
+        for start in range(0, hidden.shape[1], chunk):
+            states, previous = hidden[:, start:start + chunk], blocks.tokens[:, start:start + chunk]
+            embedding, bias = model.markov_head(previous)
+            drafted = argmax_last(model.logits(states) + bias)
+            if threshold > 0:
+                kept = (torch.sigmoid(model.confidence(states, previous, embedding)) >= threshold).long().cumprod(-1)
+                drafted = drafted.masked_fill(kept == 0, -1)
+            parts.append(drafted)
+        return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ serving
     def drafter(self) -> DraftFn:

@@ -2,6 +2,7 @@
 
 import math
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,22 @@ def test_the_replayed_decode_drafts_all_bs_slots_a_round(make_draft, monkeypatch
         ratios = strategy.forward_loss(model, batch, StepContext(global_step=2, total_steps=8, training=False)).ratio_metrics
     assert ratios["accept_len_sim"] == (19.0, 4.0)  # 5 + 5 + 5 + 4: the last round ends on the turn's end token
     assert ratios["accept_rate_4"] == (4.0, 4.0) and "accept_rate_5" not in ratios
+
+
+def test_the_replay_cuts_a_block_where_decoding_does_at_the_confidence_threshold(make_draft, monkeypatch):
+    """confidence_threshold 0.5 and a confidence head sure of slots 0, 1 and 3 but not 2: the replay's drafts
+    are the uncut ones at slots 0 and 1 and none from slot 2 on, as draft_dspark_block stops there."""
+    strategy, model = make_draft()
+    batch = batch_for(strategy)
+    blocks = strategy.draw_blocks(model, batch, StepContext(training=False), label_shift=LABEL_SHIFT)
+    uncut = strategy.block_predictions(model, batch, blocks)
+    sure = torch.tensor([10.0, 10.0, -10.0, 10.0])
+    monkeypatch.setattr(model, "confidence", lambda hidden, previous, embedding=None: sure.expand(previous.shape))
+    strategy.options = attrs.evolve(strategy.options, confidence_threshold=0.5)
+    cut = strategy.block_predictions(model, batch, blocks)
+    assert torch.equal(cut[..., :2], uncut[..., :2]) and bool((cut[..., 2:] == -1).all())
+    strategy.options = attrs.evolve(strategy.options, confidence_threshold=0.0)
+    assert torch.equal(strategy.block_predictions(model, batch, blocks), uncut)  # 0 never cuts
 
 
 def test_the_confidence_target_is_detached_so_its_loss_does_not_train_the_logits(make_draft):

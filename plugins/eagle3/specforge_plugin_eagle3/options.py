@@ -63,7 +63,9 @@ class Eagle3Options:
     intermediate_size: int | None = option(None, "Width of the draft's SwiGLU MLP. None = the target's.",
                                            check=positive)
     spec_depth: int | None = option(None, "Draft tokens proposed per verification round when measuring real "
-                                          "acceptance (speculate). None = ttt_length.", check=positive)
+                                          "acceptance (speculate); eval's accept_len_sim replays rounds as deep, "
+                                          "up to ttt_length (the steps the unroll has). None = ttt_length.",
+                                    check=positive)
     loss_positions: str = option(
         "decode", "Which positions train. decode: those speculative decoding drafts from (after each response "
                   "token but the last, the first round after the prompt included). reference: docs/algorithms.md's and "

@@ -138,8 +138,10 @@ class Eagle3Strategy:
                                 p_t, target_ids, position_mask, loss_mask, model.d2t, self.options.loss_decay,
                                 windows)
         if not training:  # the decode replay: eval only (a host-side walk per sample)
+            # as deep as decoding drafts (spec_depth), within the steps the unroll has (ttt_length)
+            depth = self.options.spec_depth or self.options.ttt_length
             with torch.no_grad():
-                step_logits = [model.logits(hidden) for hidden in step_hidden]
+                step_logits = [model.logits(hidden) for hidden in step_hidden[:depth]]
             ratios.update(simulated_acceptance(step_logits, target_ids, batch["loss_mask"], model.d2t))
         return StepOutput(loss=loss, ratio_metrics=ratios)
 

@@ -691,3 +691,19 @@ def test_training_computes_only_the_windows_and_its_loss_and_gradients_are_the_w
         assert train.ratio_metrics[f"ploss_{k}"] == pytest.approx(full.ratio_metrics[f"ploss_{k}"], rel=1e-5)
     for g, w in zip(train_grads, full_grads):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec_depth, replayed", [(None, 4), (2, 2), (9, 4)])
+def test_the_decode_replay_drafts_as_deep_as_speculate_within_the_unroll(spec_depth, replayed):
+    """eval's accept_len_sim replays rounds of spec_depth drafts, as speculate proposes them; the unroll has
+    ttt_length steps, so a deeper spec_depth replays those."""
+    info, frozen = tiny_target()
+    strategy = Eagle3Strategy(Eagle3Options(ttt_length=4, draft_vocab_size=V, spec_depth=spec_depth))
+    samples, _ = tiny_batch(strategy, info, lengths=(24, 20), seed=4)
+    batch = strategy.collate(samples, ["a", "b"])
+    counts = sum(torch.bincount(s["input_ids"], minlength=V) for s in samples)
+    model = strategy.build_model(info, frozen, DataStats(token_counts=counts))
+    with torch.no_grad():
+        ratios = strategy.forward_loss(model, batch, StepContext(training=False)).ratio_metrics
+    assert sorted(k for k in ratios if k.startswith("accept_rate_")) == [f"accept_rate_{k}" for k in
+                                                                          range(1, replayed + 1)]
