@@ -141,12 +141,16 @@ class SpeculationResult:
     ``accept_lengths`` holds, per target forward, the tokens it produced: first the prompt's
     prefill (1 token), then each verification (accepted draft tokens plus the target's bonus
     token); so ``sum(accept_lengths) == len(tokens)`` and ``target_forwards ==
-    len(accept_lengths)``.
+    len(accept_lengths)``. ``accepted_drafts`` holds, per verification, how many of its tokens
+    are accepted drafts: ``accept_lengths - 1`` but in a round cut by a stop token or the budget,
+    which may emit no bonus (``accept_drafts``' ``min(accepted, len(new))``). A strategy that
+    leaves it empty has it taken as ``accept_lengths - 1``.
     """
 
     tokens: list[int]
     target_forwards: int
     accept_lengths: list[int] = attrs.field(factory=list)
+    accepted_drafts: list[int] = attrs.field(factory=list)
 
 
 @runtime_checkable

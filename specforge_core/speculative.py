@@ -208,7 +208,8 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
         speculative_s += end - middle
         per_prompt.append({"tokens": len(result.tokens), "target_forwards": result.target_forwards,
                            "greedy_s": round(middle - start, 6), "speculative_s": round(end - middle, 6),
-                           "_rounds": list(result.accept_lengths[1:])})
+                           "_rounds": list(result.accepted_drafts)
+                           or [n - 1 for n in result.accept_lengths[1:]]})
     from .acceptance import accept_rates
 
     accept_len = tokens / forwards if forwards else 0.0
@@ -218,7 +219,7 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
     return {
         "accept_len_real": accept_len,
         "tau_real": accept_len,  # the former name, kept one release
-        "accept_rates": accept_rates(rounds, max(rounds, default=1) - 1),
+        "accept_rates": accept_rates(None, max(rounds, default=0), drafts=rounds),
         "convention": TAU_REAL_CONVENTION,
         "prompts": len(prompts),
         "tokens": tokens,

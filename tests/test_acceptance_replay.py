@@ -57,6 +57,8 @@ def test_leading_true_counts_until_the_first_miss():
 def test_real_accept_rates_from_round_lengths():
     assert accept_rates([1, 2, 4, 3], 3) == pytest.approx([0.75, 0.5, 0.25])
     assert accept_rates([], 3) == []
+    # a last round that ended on a stop token among its drafts emitted 3 tokens, all drafts, no bonus
+    assert accept_rates([1, 2, 4, 3], 3, drafts=[0, 1, 3, 3]) == pytest.approx([0.75, 0.5, 0.5])
 
 
 def test_prompts_from_samples_end_where_the_last_reply_starts():

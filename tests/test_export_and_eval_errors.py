@@ -200,6 +200,26 @@ def test_the_reference_decode_runs_no_forward_past_its_last_token_and_captures_n
     assert PLAIN_DECODE.layer_ids == () and not PLAIN_DECODE.last_hidden
 
 
+@pytest.mark.parametrize("drafts, rates", [([2, 2], [1.0, 1.0]), ([], [1.0, 0.5])])
+def test_real_accept_rates_count_the_drafts_a_round_reports(tiny_engine, drafts, rates):
+    """Rounds of 3 and 2 tokens: the last ended on a stop token among its drafts (2 drafts, no bonus) when the
+    strategy says so; a strategy that does not report its drafts has each round's taken as its tokens - 1."""
+    strategy = TargetAsItsOwnDraft()
+    strategy.engine = tiny_engine
+
+    def rounds(model, session, prompt_ids, *, max_new_tokens, eos_token_id):
+        tokens = TargetAsItsOwnDraft.speculate(strategy, model, session, prompt_ids, max_new_tokens=max_new_tokens,
+                                               eos_token_id=eos_token_id).tokens
+        lengths = [1, 3, 2][:len(tokens)] if max_new_tokens == 6 else [1] * len(tokens)
+        return SpeculationResult(tokens=tokens, target_forwards=len(lengths), accept_lengths=lengths,
+                                 accepted_drafts=drafts if max_new_tokens == 6 else [])
+
+    strategy.speculate = rounds
+    prompt = tiny_engine.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    result = measure_acceptance(strategy, torch.nn.Identity(), tiny_engine, [prompt], max_new_tokens=6, progress=False)
+    assert result["accept_rates"] == pytest.approx(rates)
+
+
 def test_eval_set_takes_only_strategy_and_target_engine_options(tmp_path):
     proc = run_specforge("eval", "--draft", str(tmp_path), "--set", "train.lr=1", expect=2)
     assert "`specforge eval --set` takes strategy.KEY=VALUE and target_engine.KEY=VALUE, not train.*" in proc.stderr

@@ -196,6 +196,11 @@ class StrategyConformance:
             assert sum(result.accept_lengths) == len(got), "the accept lengths must add up to the tokens"
             assert result.accept_lengths[0] == 1, "the prompt's prefill forward yields exactly the first token"
             assert all(n >= 1 for n in result.accept_lengths), "every verification yields at least the bonus token"
+            if result.accepted_drafts:  # optional; only a prompt's last round may end without its bonus
+                assert len(result.accepted_drafts) == len(result.accept_lengths) - 1, "one count per verification"
+                assert result.accepted_drafts[:-1] == [n - 1 for n in result.accept_lengths[1:-1]], \
+                    "a round that goes on emits its accepted drafts and the bonus"
+                assert result.accept_lengths[-1] - 1 <= result.accepted_drafts[-1] <= result.accept_lengths[-1]
             accepted.extend(result.accept_lengths[1:])
         return accepted
 

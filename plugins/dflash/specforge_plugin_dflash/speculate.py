@@ -69,7 +69,7 @@ def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, 
     out = prompt_outputs(session, prompt)
     ctx = model.context(out[feature].to(device)[None])  # [1, P, H]
     tokens = [int(argmax_last(out["logits"][-1]))]
-    accept_lengths = [1]
+    accept_lengths, accepted_drafts = [1], []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         position = session.length  # where the last accepted token goes; the cache holds everything before it
         drafts = draft(model, ctx, tokens[-1], position).cpu()  # [bs-1]
@@ -81,4 +81,6 @@ def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, 
         ctx = torch.cat([ctx, model.context(out[feature][: accepted + 1].to(device)[None])], dim=1)
         tokens.extend(new)
         accept_lengths.append(len(new))
-    return SpeculationResult(tokens=tokens, target_forwards=len(accept_lengths), accept_lengths=accept_lengths)
+        accepted_drafts.append(min(accepted, len(new)))
+    return SpeculationResult(tokens=tokens, target_forwards=len(accept_lengths), accept_lengths=accept_lengths,
+                             accepted_drafts=accepted_drafts)

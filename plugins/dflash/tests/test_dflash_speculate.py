@@ -118,9 +118,14 @@ def test_decoding_stops_after_the_eos_token_and_respects_max_new_tokens(engine):
     result = speculative_decode(model, engine.session(prompt, plan), prompt, feature=plan.hidden_feature,
                                 max_new_tokens=25, eos_token_id=eos, draft=oracle_draft(reference, len(prompt), 0, 0))
     assert result.tokens == reference[: stop_at + 1]
+    # a perfect draft: every round's 4 drafts are accepted; the last round ends on the EOS among them, no bonus
+    assert result.accepted_drafts == [min(4, n) for n in result.accept_lengths[1:]]
+    if len(result.accept_lengths) > 1 and stop_at % 5:  # the EOS is a draft, not a round's bonus: none after it
+        assert result.accepted_drafts[-1] == result.accept_lengths[-1]
     short = speculative_decode(model, engine.session(prompt, plan), prompt, feature=plan.hidden_feature,
                                max_new_tokens=3, draft=oracle_draft(reference, len(prompt), 0, 0))
     assert short.tokens == reference[:3] and short.accept_lengths == [1, 2]
+    assert short.accepted_drafts == [2]  # both new tokens are drafts: the budget cut the round before its bonus
 
 
 def test_an_empty_session_is_prefilled_by_speculate(engine):

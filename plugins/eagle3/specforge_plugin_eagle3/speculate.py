@@ -38,7 +38,7 @@ def speculate(model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, ma
     eos = stop_token_ids(eos_token_id)
     out = prompt_outputs(session, torch.tensor(prompt, dtype=torch.long))
     bonus = int(argmax_last(out["logits"][-1]))
-    tokens, accept_lengths = [bonus], [1]
+    tokens, accept_lengths, accepted_drafts = [bonus], [1], []
     kv = DraftKV()
     # The draft's context rows: features of each accepted token and the token after it.
     ctx_aux, ctx_next = out[hidden_feature], prompt[1:] + [bonus]
@@ -55,5 +55,7 @@ def speculate(model: Eagle3Draft, session: VerifySession, prompt_ids: Any, *, ma
         ctx_aux, ctx_next = out[hidden_feature][: accepted + 1], drafts[:accepted] + [greedy[accepted]]
         tokens.extend(new)
         accept_lengths.append(len(new))
+        accepted_drafts.append(min(accepted, len(new)))
         bonus = new[-1]
-    return SpeculationResult(tokens=tokens, target_forwards=len(accept_lengths), accept_lengths=accept_lengths)
+    return SpeculationResult(tokens=tokens, target_forwards=len(accept_lengths), accept_lengths=accept_lengths,
+                             accepted_drafts=accepted_drafts)
