@@ -16,8 +16,9 @@ reply appended.
   a partial output made from another input or other settings. ``OUT`` appears (a rename)
   only once every row is done; an existing ``OUT`` is never overwritten;
 * rows are written in their input format (``messages``, ShareGPT ``conversations``, or
-  ``prompt``/``response``), other keys kept; a row that cannot be regenerated is skipped
-  and counted by reason, as data preparation does.
+  ``prompt``/``response``), other keys kept but ``input_ids`` and ``loss_mask`` (the old
+  replies' tokens, which data preparation would read first); a row that cannot be regenerated
+  is skipped and counted by reason, as data preparation does.
 """
 
 from __future__ import annotations
@@ -239,9 +240,15 @@ def _with_replies(conv: list[dict[str, str]], replies: list[str], *, upto_user: 
     return out
 
 
+#: keys a row may carry that hold its replies' old tokens: dropped from a regenerated row, since data
+#: preparation reads them before the conversation and would train on the replies they replaced
+STALE_TOKEN_KEYS = ("input_ids", "loss_mask")
+
+
 def _written(row: _Row, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """The regenerated conversation in the row's own format, its other keys kept."""
-    obj = dict(row.obj)
+    """The regenerated conversation in the row's own format, its other keys kept but
+    :data:`STALE_TOKEN_KEYS`."""
+    obj = {key: value for key, value in row.obj.items() if key not in STALE_TOKEN_KEYS}
     if row.key == "prompt":
         reply_key = "completion" if "completion" in obj and "response" not in obj else "response"
         obj[reply_key] = messages[-1]["content"]

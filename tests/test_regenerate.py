@@ -28,8 +28,9 @@ def engine(tiny):
 
 
 ROWS = [
+    # with the old reply's tokens too, which data preparation would read first: regenerate drops them
     {"messages": [{"role": "user", "content": "Count from 3 to 6."}, {"role": "assistant", "content": "no."}],
-     "id": "a"},
+     "id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
     {"conversations": [{"from": "human", "value": "Spell 'cat' backwards."}, {"from": "gpt", "value": "x"},
                        {"from": "human", "value": "How many letters are in 'walrus'?"}]},
     {"prompt": "What is 2 plus 3?"},
