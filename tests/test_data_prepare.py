@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from data_tokenizers import REASONING_TEMPLATE, UNSTABLE_TEMPLATE, chatml_tokenizer, llama3_tokenizer
+from data_tokenizers import CHATML_TEMPLATE, REASONING_TEMPLATE, UNSTABLE_TEMPLATE, chatml_tokenizer, llama3_tokenizer
 from specforge_core.data.prepare import (BadRowError, ChatTemplateError, DataError, PrepareReport, iter_samples,
                                          normalize_row, prepare_file, tokenize_messages)
 from specforge_core.errors import SpecforgeError
@@ -137,6 +137,25 @@ def test_a_template_rewriting_past_turns_without_an_end_marker_is_refused():
     with pytest.raises(ChatTemplateError, match=r"^the chat template is not prefix-stable: rendering messages\[:2\] "
                                                 r"is not a prefix of rendering the whole conversation"):
         tokenize_messages(chatml_tokenizer(template), turns)
+
+
+def test_a_template_ending_only_the_last_message_with_eos_is_refused_for_past_turns_not_misread():
+    # Phi-3-style: every message ends with its marker, and the conversation's end gets an EOS token too. A past
+    # turn's rendering as the last message then ends "<|im_end|>\n<|endoftext|>", which the whole conversation
+    # holds only at its very end: the span would run over the next user turn. Refused, naming the way out.
+    template = CHATML_TEMPLATE.replace("{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+                                       "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                                       "{% else %}{{ '<|endoftext|>' }}{% endif %}")
+    assert template != CHATML_TEMPLATE
+    tok = chatml_tokenizer(template)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(ChatTemplateError, match=r"^the end of assistant message 1 could not be found before the "
+                                                r"message after it: .* Use last_turn_only=True"):
+        tokenize_messages(tok, turns)
+    ids, mask = tokenize_messages(tok, turns, last_turn_only=True)  # the final turn alone is located
+    segments = supervised_segments(tok, ids, mask)
+    assert len(segments) == 1 and segments[0].startswith("ok<|im_end|>")
 
 
 def test_an_empty_assistant_reply_supervises_only_the_marker(chatml):

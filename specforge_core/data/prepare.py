@@ -349,6 +349,7 @@ def _render_with_spans(tokenizer: Any, messages: Sequence[dict[str, str]],
             if end is None:
                 _require_prefix(upto, text, index, f"messages[:{index + 1}]", "the whole conversation")
             span = (len(prompt), end)
+            _require_turn_before_next(text, span, messages, index)
         _require_reply_inside(text[span[0]:span[1]], messages[index]["content"], index)
         spans.append(span)
     return text, spans
@@ -367,6 +368,25 @@ def _require_reply_inside(turn: str, content: str, index: int) -> None:
             f"the chat template's rendering of assistant message {index} does not contain the end of its content "
             f"({tail!r}); the supervised text would be {turn[:60]!r}. The template rewrites replies, so the loss "
             "mask cannot follow them: fix the template, or pass pre-tokenized input_ids with loss_mask rows")
+
+
+def _require_turn_before_next(text: str, span: tuple[int, int], messages: Messages, index: int) -> None:
+    """Refuse a past turn's span that runs into the message after it: the marker that ends a reply as the
+    conversation's last message was not found until later (a template that writes an EOS token after the
+    final message only, as Phi-3's does), and the span would supervise the next user turn."""
+    if index + 1 >= len(messages):
+        return
+    tail = messages[index]["content"].rsplit("</think>", 1)[-1].strip()[-24:]
+    after = text.find(tail, span[0]) + len(tail) if tail and text.find(tail, span[0]) >= 0 else span[0]
+    following = messages[index + 1]["content"].strip()
+    at = text.find(following, after) if following else -1
+    if 0 <= at < span[1]:
+        raise ChatTemplateError(
+            f"the end of assistant message {index} could not be found before the message after it: the chat "
+            "template ends a reply differently when it is the conversation's last message (an EOS token written "
+            "after the final message only, for example), so the supervised text would run into the next turn. "
+            "Use last_turn_only=True (only the final turn is supervised), or pass pre-tokenized input_ids with "
+            "loss_mask rows")
 
 
 _SENTINEL = "SpecforgeTurnSentinel7f3a"
