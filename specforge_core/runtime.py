@@ -34,8 +34,11 @@ class RunError(SpecforgeError):
 def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str,
                  layer_ids: Any = ()) -> dict[str, Any]:
     """What a resume must match; each key is named in the refusal message. ``layer_ids`` are the target
-    layers the draft is trained on (resolved from the options and the target), which an export repeats."""
-    return {
+    layers the draft is trained on (resolved from the options and the target), which an export repeats.
+    ``seed`` orders the epochs; ``data``, in a run that reads its data itself (not from captured features or a
+    stream, which carry their own identity), says which rows train and how: a resume with other data or another
+    seed would seek to a position in another order of other samples."""
+    contract = {
         "strategy": plan["strategy"].spec.name,
         "strategy_options": options_to_dict(plan["strategy"].options),
         "layer_ids": [int(i) for i in layer_ids],
@@ -44,7 +47,13 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
         "accumulation_steps": plan.train.accumulation_steps,
         "total_steps": total_steps,
         "target": target_fingerprint,
+        "seed": plan.train.seed,
     }
+    if plan.features is None:
+        from .topologies.stream.record import data_contract
+
+        contract["data"] = data_contract(plan.data)
+    return contract
 
 
 def train_suggestions(plan: RunPlan, record: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -324,6 +324,23 @@ def test_the_stream_contract_covers_every_option_that_changes_the_samples(tmp_pa
             check_stream_contract(changed, contract, features="F", side="consumer")
 
 
+def test_a_run_that_reads_its_data_records_it_and_the_seed_in_its_resume_contract(tmp_path):
+    from specforge_core.config import resolve_plan
+    from specforge_core.plugins import PluginManager
+    from specforge_core.runtime import run_contract
+    from specforge_core.topologies.stream.record import data_contract
+
+    manager = PluginManager().load()
+    online = resolve_plan(manager, {"strategy": {"name": "eagle3"}, "data": {"path": "chats.jsonl", "max_length": 512},
+                                    "train": {"seed": 3}})
+    contract = run_contract(online, 1, 10, "fp")
+    assert contract["seed"] == 3 and contract["data"] == data_contract(online.data)
+    assert contract["data"]["path"] == os.path.abspath("chats.jsonl") and contract["data"]["max_length"] == 512
+    assert "strict" not in contract["data"]  # whether a bad row stops the run changes no sample
+    offline = resolve_plan(manager, {"strategy": {"name": "eagle3"}, "features": str(tmp_path)})
+    assert "data" not in run_contract(offline, 1, 10, "fp")  # a feature set is its own identity (the target's)
+
+
 def test_a_consumer_that_names_no_data_trains_the_streams_and_one_that_names_other_data_is_refused(tmp_path):
     """On another host the producer's data paths mean nothing: a consumer without --data is not refused for
     them; a consumer that names a data file must name the producer's."""

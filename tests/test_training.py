@@ -127,6 +127,7 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(s
 @pytest.mark.parametrize("change, field", [
     (["--set", "train.batch_size=3"], "batch_size changed (checkpoint: 2, now: 3)"),
     (["--set", "train.accumulation_steps=2"], "accumulation_steps changed (checkpoint: 1, now: 2)"),
+    (["--set", "train.seed=5"], "seed changed (checkpoint: 0, now: 5)"),
     (["--set", "strategy.hidden=8"], "strategy_options.hidden changed (checkpoint: 16, now: 8)"),
     (["--set", "train.max_steps=3"], "it has already trained 4 optimizer steps, more than the 3 this run plans; "
                                      "raise train.max_steps (or train.epochs) to at least 4"),

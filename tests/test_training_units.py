@@ -122,6 +122,17 @@ def test_contract_check_names_the_nested_field(tmp_path):
         check_contract(saved, {**saved, "strategy": "y"}, tmp_path)
 
 
+def test_the_seed_and_data_are_checked_where_the_checkpoint_recorded_them(tmp_path):
+    now = {"strategy": "x", "seed": 0, "data": {"path": "/d/train.jsonl", "max_length": 2048}}
+    check_contract({"strategy": "x"}, now, tmp_path)  # an earlier release's checkpoint: neither recorded
+    with pytest.raises(CheckpointError, match=r"seed changed \(checkpoint: 1, now: 0\)"):
+        check_contract({**now, "seed": 1}, now, tmp_path)
+    with pytest.raises(CheckpointError, match=r"data\.max_length changed \(checkpoint: 1024, now: 2048\)"):
+        check_contract({**now, "data": {**now["data"], "max_length": 1024}}, now, tmp_path)
+    with pytest.raises(CheckpointError, match=r"target changed \(checkpoint: 'a', now: None\)"):
+        check_contract({**now, "target": "a"}, now, tmp_path)  # any other field is checked as before
+
+
 def test_curves_are_smoothed_without_bias_and_eval_points_are_drawn(tmp_path):
     from specforge_core.training.plot import plot_curves, smoothed
 

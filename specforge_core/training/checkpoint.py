@@ -227,6 +227,9 @@ class CheckpointManager:
 #: The contract field a resume may change: the planned number of optimizer steps (``train.max_steps``, or
 #: ``train.epochs`` through the data size), so a finished run can be extended.
 HORIZON = "total_steps"
+#: Contract fields checkpoints of earlier releases did not record: a saved contract without one is not checked
+#: on it (the run resumes as those releases let it).
+RECORDED_LATER = frozenset({"seed", "data"})
 
 
 def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path, *, completed: int = 0) -> None:
@@ -238,6 +241,8 @@ def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path, *
     """
     for key in sorted(set(saved) | set(current)):
         old, new = saved.get(key), current.get(key)
+        if key in RECORDED_LATER and key not in saved:
+            continue
         if key == HORIZON and isinstance(new, int):
             if new < completed:
                 raise CheckpointError(f"cannot resume from {path}: it has already trained {completed} optimizer steps, "

@@ -66,13 +66,21 @@ def stream_contract(plan: RunPlan) -> dict[str, Any]:
     """
     contract: dict[str, Any] = {"strategy": plan["strategy"].spec.name}
     contract.update({f"strategy.{key}": value for key, value in options_to_dict(plan["strategy"].options).items()})
-    for key, value in options_to_dict(plan.data).items():
+    contract.update({f"data.{key}": value for key, value in data_contract(plan.data).items()})
+    contract.update({"train.epochs": plan.train.epochs, "train.seed": plan.train.seed})
+    return contract
+
+
+def data_contract(data: Any) -> dict[str, Any]:
+    """The ``data`` options that decide which rows a run reads and how they are prepared (all but
+    :data:`DATA_OPTIONS_OUTSIDE_CONTRACT`), data paths made absolute."""
+    contract = {}
+    for key, value in options_to_dict(data).items():
         if key in DATA_OPTIONS_OUTSIDE_CONTRACT:
             continue
         if key in ("path", "eval_path") and value is not None:
             value = os.path.abspath(value)
-        contract[f"data.{key}"] = value
-    contract.update({"train.epochs": plan.train.epochs, "train.seed": plan.train.seed})
+        contract[key] = value
     return contract
 
 
