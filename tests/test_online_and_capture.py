@@ -6,6 +6,7 @@ built by the hf plugin.
 """
 
 import json
+import shutil
 
 import pytest
 
@@ -56,6 +57,22 @@ def test_capture_resumes_without_recapturing(site, tiny, features):
     proc = specforge(site, "capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
                      "--set", "data.max_samples=40")
     assert "train: 40 samples (0 new, 40 reused)" in proc.stdout
+
+
+def test_a_capture_with_other_options_lists_its_own_samples_only(site, tiny, features, tmp_path):
+    """The same directory captured again with fewer samples, then with another max_length: each manifest lists the
+    samples that capture selected (a sample of other options has another id), not every file the store holds."""
+    out = tmp_path / "feats"
+    shutil.copytree(features[0], out)
+    proc = specforge(site, "capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
+                     "--set", "data.max_samples=20")
+    assert "train: 20 samples (0 new, 20 reused)" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"]["train"] == len(manifest["sample_ids"]["train"]) == 20
+    proc = specforge(site, "capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
+                     "--set", "data.max_samples=20", "--set", "data.max_length=16")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"]["train"] == 20 and "train: 20 samples (20 new, 0 reused)" in proc.stdout
 
 
 def test_capture_into_a_folder_of_another_strategy_is_refused(site, tiny, features):

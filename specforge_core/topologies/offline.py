@@ -76,6 +76,13 @@ def _store_bytes(path: Any) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
 
 
+def _noting(samples: Any, seen: set[str]) -> Any:
+    """``samples`` as they are, each one's id added to ``seen`` as it passes."""
+    for sample in samples:
+        seen.add(sample.sample_id)
+        yield sample
+
+
 def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, Any]:
     """``specforge capture``: write a features directory for ``plan``'s strategy; resumable."""
     from tqdm import tqdm
@@ -118,10 +125,12 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
         samples = iter_samples(path, engine.tokenizer, keep_line=keep, report=report, **options)
         if split == "train" and plan.data.max_samples:
             samples = (s for i, s in zip(range(plan.data.max_samples), samples))
+        seen: set[str] = set()  # this run's samples of the split: a sample stored by an earlier capture of other
+        samples = _noting(samples, seen)  # data or options is not one of them, and is not listed
         with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
             fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
                                       strategy=name, skip=set(existing), progress=progress))
-        refs = fresh + [r for r in existing.values() if r.meta.get("split") == split]
+        refs = fresh + [r for r in existing.values() if r.meta.get("split") == split and r.sample_id in seen]
         counts[split] = len(refs)
         by_split[split] = refs
         reports[split] = {"new": len(fresh), "reused": len(refs) - len(fresh), "summary": report.summary(),
