@@ -84,12 +84,10 @@ def _runs(mask: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def accept_rates(accept_lengths: Any, depth: int, *, drafts: Any = None) -> list[float]:
-    """Per-position acceptance of a real decode: ``accept_lengths`` per verification round
-    (tokens emitted, bonus included) -> the share of rounds accepting at least k drafts, k = 1..depth.
-    ``drafts``, when given, are each round's accepted drafts (a round ending on a stop token or the
-    budget may emit no bonus: there ``accept_lengths - 1`` would count one draft too few)."""
-    rounds = [int(n) - 1 for n in accept_lengths] if drafts is None else [int(n) for n in drafts]
+def accept_rates(drafts: Any, depth: int) -> list[float]:
+    """Per-position acceptance of a real decode: the accepted drafts of each verification round
+    (``SpeculationResult.accepted_drafts``) -> the share of rounds accepting at least k drafts, k = 1..depth."""
+    rounds = [int(n) for n in drafts]
     if not rounds:
         return []
     return [sum(1 for drafts in rounds if drafts >= k) / len(rounds) for k in range(1, depth + 1)]

@@ -138,6 +138,25 @@ class ResolvedComponent:
         }
 
 
+#: ``data`` options that cannot change which samples a stream or a run reading its data takes (``strict``
+#: only decides whether a bad row stops the run, ``missing_samples`` is for offline runs); every other
+#: data option is part of their contracts (:func:`data_contract`).
+DATA_OPTIONS_OUTSIDE_CONTRACT = frozenset({"strict", "missing_samples"})
+
+
+def data_contract(data: Any) -> dict[str, Any]:
+    """The ``data`` options that decide which rows a run reads and how they are prepared (all but
+    :data:`DATA_OPTIONS_OUTSIDE_CONTRACT`), data paths made absolute."""
+    contract = {}
+    for key, value in options_to_dict(data).items():
+        if key in DATA_OPTIONS_OUTSIDE_CONTRACT:
+            continue
+        if key in ("path", "eval_path") and value is not None:
+            value = os.path.abspath(value)
+        contract[key] = value
+    return contract
+
+
 @attrs.frozen(kw_only=True)
 class RunPlan:
     """Everything a run needs, resolved and validated, before anything heavy is built."""

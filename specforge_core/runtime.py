@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .components import build_component
-from .config import RunPlan, engine_train_suggestions, with_suggested_train_options
+from .config import RunPlan, data_contract, engine_train_suggestions, with_suggested_train_options
 from .errors import SpecforgeError
 from .options import options_to_dict
 from .plugins import PluginManager
@@ -50,8 +50,6 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
         "seed": plan.train.seed,
     }
     if plan.features is None:
-        from .topologies.stream.record import data_contract
-
         contract["data"] = data_contract(plan.data)
     return contract
 

@@ -219,7 +219,7 @@ def measure_acceptance(strategy: Any, model: Any, engine: Any, prompts: Iterable
     return {
         "accept_len_real": accept_len,
         "tau_real": accept_len,  # the former name, kept one release
-        "accept_rates": accept_rates(None, max(rounds, default=0), drafts=rounds),
+        "accept_rates": accept_rates(rounds, max(rounds, default=0)),
         "convention": TAU_REAL_CONVENTION,
         "prompts": len(prompts),
         "tokens": tokens,

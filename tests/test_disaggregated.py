@@ -328,7 +328,7 @@ def test_a_run_that_reads_its_data_records_it_and_the_seed_in_its_resume_contrac
     from specforge_core.config import resolve_plan
     from specforge_core.plugins import PluginManager
     from specforge_core.runtime import run_contract
-    from specforge_core.topologies.stream.record import data_contract
+    from specforge_core.config import data_contract
 
     manager = PluginManager().load()
     online = resolve_plan(manager, {"strategy": {"name": "eagle3"}, "data": {"path": "chats.jsonl", "max_length": 512},

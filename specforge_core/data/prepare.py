@@ -377,7 +377,8 @@ def _require_turn_before_next(text: str, span: tuple[int, int], messages: Messag
     if index + 1 >= len(messages):
         return
     tail = messages[index]["content"].rsplit("</think>", 1)[-1].strip()[-24:]
-    after = text.find(tail, span[0]) + len(tail) if tail and text.find(tail, span[0]) >= 0 else span[0]
+    at_tail = text.find(tail, span[0]) if tail else -1
+    after = at_tail + len(tail) if at_tail >= 0 else span[0]
     following = messages[index + 1]["content"].strip()
     at = text.find(following, after) if following else -1
     if 0 <= at < span[1]:

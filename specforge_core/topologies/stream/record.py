@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import attrs
 
-from ...config import RunPlan
+from ...config import RunPlan, data_contract
 from ...errors import SpecforgeError
 from ...options import options_to_dict
 from ...protocols import BuildContext
@@ -44,12 +44,6 @@ STREAM_KEY = "stream"
 #: covered them, and the step a consumer finished training at.
 RELEASED_MARKER = "stream.released_through_step"
 FINISHED_MARKER = "stream.consumer_finished"
-
-
-#: ``data`` options that cannot change which samples a stream holds (``strict`` only decides
-#: whether a bad row stops the producer, ``missing_samples`` is for offline runs); every other
-#: data option is part of the contract.
-DATA_OPTIONS_OUTSIDE_CONTRACT = frozenset({"strict", "missing_samples"})
 
 
 class StreamError(SpecforgeError):
@@ -70,18 +64,6 @@ def stream_contract(plan: RunPlan) -> dict[str, Any]:
     contract.update({"train.epochs": plan.train.epochs, "train.seed": plan.train.seed})
     return contract
 
-
-def data_contract(data: Any) -> dict[str, Any]:
-    """The ``data`` options that decide which rows a run reads and how they are prepared (all but
-    :data:`DATA_OPTIONS_OUTSIDE_CONTRACT`), data paths made absolute."""
-    contract = {}
-    for key, value in options_to_dict(data).items():
-        if key in DATA_OPTIONS_OUTSIDE_CONTRACT:
-            continue
-        if key in ("path", "eval_path") and value is not None:
-            value = os.path.abspath(value)
-        contract[key] = value
-    return contract
 
 
 #: What to do about a stream of other settings, by mode: a directory stream, a networked one.
