@@ -17,7 +17,9 @@ reply appended.
   only once every row is done; an existing ``OUT`` is never overwritten;
 * rows are written in their input format (``messages``, ShareGPT ``conversations``, or
   ``prompt``/``response``), other keys kept but ``input_ids`` and ``loss_mask`` (the old
-  replies' tokens, which data preparation would read first); a row that cannot be regenerated
+  replies' tokens, which data preparation would read first); a reply cut at
+  ``max_new_tokens`` is marked ``"finish_reason": "length"`` (data preparation then supervises
+  its text but not the end-of-turn marker after it); a row that cannot be regenerated
   is skipped and counted by reason, as data preparation does.
 """
 
@@ -33,7 +35,7 @@ from typing import Any, Iterator
 
 import attrs
 
-from .data.prepare import BadRowError, DataError, conversation_messages, row_format
+from .data.prepare import CUT_AT_LENGTH, BadRowError, DataError, conversation_messages, row_format
 from .options import options_to_dict
 
 #: Why a row is not regenerated (besides data preparation's reasons).
@@ -196,6 +198,7 @@ def _regenerate_batch(engine: Any, batch: list[_Row], options: Any, report: Rege
     # Each conversation without its assistant turns; replies are generated into it in order.
     convs = [[m for m in row.messages if m["role"] != "assistant"] for row in batch]
     replies: list[list[str]] = [[] for _ in batch]
+    cut: list[list[bool]] = [[] for _ in batch]  # per reply: it reached max_new_tokens without a stop token
     turn = 0
     while True:
         todo = [i for i, conv in enumerate(convs) if _user_turns(conv) > turn]
@@ -214,9 +217,10 @@ def _regenerate_batch(engine: Any, batch: list[_Row], options: Any, report: Rege
             report.tokens += len(tokens)
             report.cut += not stopped
             replies[i].append(tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=False))
+            cut[i].append(not stopped)
         turn += 1
-    return [_written(row, _with_replies(conv, reply, upto_user=None))
-            for row, conv, reply in zip(batch, convs, replies)]
+    return [_written(row, _with_replies(conv, reply, upto_user=None), turns_cut)
+            for row, conv, reply, turns_cut in zip(batch, convs, replies, cut)]
 
 
 def _user_turns(conv: list[dict[str, str]]) -> int:
@@ -245,18 +249,29 @@ def _with_replies(conv: list[dict[str, str]], replies: list[str], *, upto_user: 
 STALE_TOKEN_KEYS = ("input_ids", "loss_mask")
 
 
-def _written(row: _Row, messages: list[dict[str, str]]) -> dict[str, Any]:
+def _written(row: _Row, messages: list[dict[str, str]], cut: list[bool]) -> dict[str, Any]:
     """The regenerated conversation in the row's own format, its other keys kept but
-    :data:`STALE_TOKEN_KEYS`."""
+    :data:`STALE_TOKEN_KEYS`. A reply ``cut`` at max_new_tokens is marked ``"finish_reason": "length"``
+    (on its message; on the row for the ``prompt`` form), which data preparation reads: the end-of-turn
+    marker a chat template writes after it is then not supervised."""
     obj = {key: value for key, value in row.obj.items() if key not in STALE_TOKEN_KEYS}
     if row.key == "prompt":
         reply_key = "completion" if "completion" in obj and "response" not in obj else "response"
         obj[reply_key] = messages[-1]["content"]
+        obj.pop("finish_reason", None)  # the old reply's
+        if cut[-1]:
+            obj["finish_reason"] = CUT_AT_LENGTH
         return obj
     original = obj[row.key]
     sharegpt = bool(original) and isinstance(original[0], dict) and "from" in original[0]
     names = {"user": "human", "assistant": "gpt", "system": "system"}
-    obj[row.key] = [{"from": names[m["role"]], "value": m["content"]} if sharegpt else dict(m) for m in messages]
+    written, replies = [], iter(cut)
+    for m in messages:
+        item = {"from": names[m["role"]], "value": m["content"]} if sharegpt else dict(m)
+        if m["role"] == "assistant" and next(replies):
+            item["finish_reason"] = CUT_AT_LENGTH
+        written.append(item)
+    obj[row.key] = written
     return obj
 
 

@@ -128,6 +128,42 @@ def test_a_reasoning_template_keeps_the_final_turns_reasoning_supervised():
     assert supervised_segments(tok, ids, mask) == ["<think>\nok bye\n</think>\n\nhello<|im_end|>"]
 
 
+CUT = {"finish_reason": "length"}
+
+
+@pytest.mark.parametrize("tokenizer_name, marker", FORMATS)
+def test_a_reply_cut_at_the_token_budget_is_supervised_without_the_end_of_turn_marker(request, tokenizer_name,
+                                                                                      marker):
+    tok = request.getfixturevalue(tokenizer_name)
+    turns = [TWO_TURNS[0], {**TWO_TURNS[1], **CUT}, TWO_TURNS[2], TWO_TURNS[3]]
+    ids, mask = tokenize_messages(tok, turns)
+    assert supervised_segments(tok, ids, mask) == ["hello there", f"ok{marker}"]
+    assert ids == tokenize_messages(tok, TWO_TURNS)[0]  # the text is the same: only the mask differs
+    # the final turn cut, and other finish reasons (a reply the target ended) as if none were given
+    ids, mask = tokenize_messages(tok, [TWO_TURNS[0], {**TWO_TURNS[1], "finish_reason": "stop"}, TWO_TURNS[2],
+                                        {**TWO_TURNS[3], **CUT}])
+    assert supervised_segments(tok, ids, mask) == [f"hello there{marker}", "ok"]
+
+
+def test_a_cut_reply_keeps_its_trailing_whitespace_and_its_reasoning(chatml):
+    # whitespace the target generated before the cut is its output; a cut inside the reasoning block keeps it all
+    ids, mask = tokenize_messages(chatml, [TWO_TURNS[0], {"role": "assistant", "content": "hello there\n", **CUT}])
+    assert supervised_segments(chatml, ids, mask) == ["hello there\n"]
+    tok = chatml_tokenizer(REASONING_TEMPLATE)
+    ids, mask = tokenize_messages(tok, [TWO_TURNS[0], {"role": "assistant", "content": "<think>\nok b", **CUT}])
+    # (this template writes an empty reasoning block before a reply without one: it is in the turn as rendered)
+    assert supervised_segments(tok, ids, mask) == ["<think>\n\n</think>\n\n<think>\nok b"]
+
+
+def test_the_prompt_form_marks_a_cut_reply_on_the_row_and_a_user_turn_is_never_marked(tmp_path, chatml):
+    path = write_jsonl(tmp_path, [{"prompt": "hi", "response": "hello there", **CUT},
+                                  {"messages": [{**TWO_TURNS[0], **CUT}, TWO_TURNS[1]]}])
+    samples, _ = prepare_file(path, chatml)
+    assert [supervised_segments(chatml, s.input_ids, s.loss_mask) for s in samples] == [
+        ["hello there"], ["hello there<|im_end|>"]]
+    assert normalize_row({"prompt": "hi", "response": "hello there", **CUT})[1] == {**TWO_TURNS[1], **CUT}
+
+
 def test_a_template_rewriting_past_turns_without_an_end_marker_is_refused():
     # Without an end-of-turn marker a rewritten past turn cannot be delimited: refused, not guessed.
     template = REASONING_TEMPLATE.replace("+ answer + '<|im_end|>", "+ answer + '")
@@ -246,6 +282,10 @@ BAD_ROWS = [
                                            "with 'loss_mask' (pre-tokenized)"),
     ({"prompt": ["hi"], "response": "x"}, "bad message", "bad message: 'prompt' must be a string, not an array"),
     ({"prompt": "hi"}, "no assistant turn", "no assistant turn: the conversation has nothing to supervise"),
+    ({"prompt": "hi", "response": "x", "finish_reason": True}, "bad message",
+     "bad message: 'finish_reason' must be a string, not a boolean"),
+    ({"messages": [TWO_TURNS[0], {**TWO_TURNS[1], "finish_reason": 1}]}, "bad message",
+     "bad message 1: 'finish_reason' must be a string, not a number"),
     ({"messages": "hi"}, "unknown row format", "unknown row format: 'messages' must be a list of messages, "
                                                "not a string"),
     ({"conversations": []}, "empty conversation", "empty conversation: 'conversations' is an empty list"),

@@ -55,6 +55,17 @@ def greedy_reply(engine, messages, max_new_tokens):
     return tok.decode(ids[:-1] if stopped else ids)
 
 
+def cut_reply(engine, messages, max_new_tokens):
+    """``{"finish_reason": "length"}`` when the target's greedy reply to ``messages`` reaches ``max_new_tokens``
+    without a stop token, else ``{}``: how a regenerated reply is marked."""
+    tok = engine.tokenizer
+    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    ids = greedy_decode(engine, prompt, CapturePlan(), max_new_tokens=max_new_tokens,
+                        eos_token_id=engine.stop_token_ids())
+    return {} if ids and ids[-1] in engine.stop_token_ids() else {"finish_reason": "length"}
+
+
 def test_every_reply_is_the_targets_greedy_reply_in_the_rows_own_format(engine, tmp_path):
     source = write(tmp_path / "in.jsonl", ROWS)
     out = tmp_path / "out.jsonl"
@@ -65,20 +76,25 @@ def test_every_reply_is_the_targets_greedy_reply_in_the_rows_own_format(engine, 
     assert report.skipped == {"not JSON": 1, "pre-tokenized row (no text to regenerate)": 1}
     first, second, third, fourth = rows
     user = {"role": "user", "content": "Count from 3 to 6."}
-    assert first == {"messages": [user, {"role": "assistant", "content": greedy_reply(engine, [user], 24)}],
-                     "id": "a"}
+    assert first == {"messages": [user, {"role": "assistant", "content": greedy_reply(engine, [user], 24),
+                                         **cut_reply(engine, [user], 24)}], "id": "a"}
     # multi-turn: the second reply answers a conversation whose first reply is already the target's own
     h1 = {"role": "user", "content": "Spell 'cat' backwards."}
     r1 = greedy_reply(engine, [h1], 24)
     h2 = {"role": "user", "content": "How many letters are in 'walrus'?"}
-    r2 = greedy_reply(engine, [h1, {"role": "assistant", "content": r1}, h2], 24)
-    assert second == {"conversations": [{"from": "human", "value": h1["content"]}, {"from": "gpt", "value": r1},
-                                        {"from": "human", "value": h2["content"]}, {"from": "gpt", "value": r2}]}
-    assert third == {"prompt": "What is 2 plus 3?",
-                     "response": greedy_reply(engine, [{"role": "user", "content": "What is 2 plus 3?"}], 24)}
+    history = [h1, {"role": "assistant", "content": r1}, h2]
+    r2 = greedy_reply(engine, history, 24)
+    assert second == {"conversations": [{"from": "human", "value": h1["content"]},
+                                        {"from": "gpt", "value": r1, **cut_reply(engine, [h1], 24)},
+                                        {"from": "human", "value": h2["content"]},
+                                        {"from": "gpt", "value": r2, **cut_reply(engine, history, 24)}]}
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert third == {"prompt": "What is 2 plus 3?", "response": greedy_reply(engine, question, 24),
+                     **cut_reply(engine, question, 24)}
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Shout the word 'igloo'."}]
     assert fourth == {"system": "Be brief.", "prompt": "Shout the word 'igloo'.",
-                      "completion": greedy_reply(engine, system, 24)}
+                      "completion": greedy_reply(engine, system, 24), **cut_reply(engine, system, 24)}
+    assert report.cut == 5  # the tiny target stops no reply within 24 tokens: each is marked as cut
     assert not (tmp_path / "out.jsonl.partial").exists() and not (tmp_path / "out.jsonl.partial.json").exists()
 
 
@@ -134,6 +150,67 @@ def test_refusals_name_the_file_and_leave_everything_as_it_was(engine, tmp_path)
     with pytest.raises(RegenerateError, match="continues a regeneration with other input, input_digest, options"):
         run_regenerate(engine, str(source), str(out), RegenerateOptions(), progress=False)
     assert (tmp_path / "out.jsonl.partial").read_text() == ""
+
+
+def supervised_text(tok, sample):
+    return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+
+
+def test_a_reply_cut_at_max_new_tokens_is_marked_so_the_end_of_turn_after_it_is_not_supervised(engine, tmp_path):
+    from specforge_core.data.prepare import prepare_file
+
+    source = write(tmp_path / "in.jsonl", [ROWS[0], ROWS[1], {**ROWS[2], "finish_reason": "stop"}])
+    out = tmp_path / "out.jsonl"
+    report = run_regenerate(engine, str(source), str(out), RegenerateOptions(max_new_tokens=5), progress=False)
+    assert (report.turns, report.cut) == (4, 4)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    replies = [rows[0]["messages"][1], rows[1]["conversations"][1], rows[1]["conversations"][3]]
+    assert [m["finish_reason"] for m in replies] == ["length"] * 3
+    assert rows[2]["finish_reason"] == "length"  # the prompt form: on the row, the old reason replaced
+    tok = engine.tokenizer
+    samples, _ = prepare_file(out, tok)
+    contents = [rows[0]["messages"][1]["content"], rows[1]["conversations"][1]["value"] +
+                rows[1]["conversations"][3]["value"], rows[2]["response"]]
+    # each cut reply's own tokens are supervised, and nothing after them: no end-of-turn marker
+    assert [supervised_text(tok, s) for s in samples] == contents
+    assert all(len(c) > 0 for c in contents)
+    # the same rows unmarked supervise one more token per turn: the marker the template writes after each
+    unmarked = tmp_path / "unmarked.jsonl"
+    for row in rows:
+        row.pop("finish_reason", None)
+        for message in row.get("messages", row.get("conversations", [])):
+            message.pop("finish_reason", None)
+    write(unmarked, rows)
+    plain, _ = prepare_file(unmarked, tok)
+    marker = tok.convert_ids_to_tokens
+    assert [sum(p.loss_mask) - sum(s.loss_mask) for p, s in zip(plain, samples)] == [1, 2, 1]
+    extra = {marker(t) for p, s in zip(plain, samples) for t, a, b in zip(p.input_ids, p.loss_mask, s.loss_mask)
+             if a and not b}
+    assert extra == {tok.eos_token}
+
+
+def test_a_reply_ended_by_a_stop_token_is_not_marked(tiny, tmp_path):
+    from specforge_plugin_hf import HFEngineOptions
+    from specforge_plugin_hf.engine import HFTargetEngine
+    import shutil
+
+    # a target whose generation config names a stop token it does produce (the comma in its "2, 2, ...")
+    stopping = tmp_path / "stopping"
+    shutil.copytree(tiny, stopping)
+    engine = HFTargetEngine(HFEngineOptions(model=str(stopping)))
+    comma = engine.tokenizer.convert_tokens_to_ids(",")
+    config = json.loads((stopping / "generation_config.json").read_text())
+    (stopping / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [
+        engine.tokenizer.eos_token_id, comma]}))
+    engine = HFTargetEngine(HFEngineOptions(model=str(stopping)))
+    assert comma in engine.stop_token_ids()
+    source = write(tmp_path / "in.jsonl", [ROWS[0], {**ROWS[2], "finish_reason": "length"}])
+    out = tmp_path / "out.jsonl"
+    report = run_regenerate(engine, str(source), str(out), RegenerateOptions(max_new_tokens=24), progress=False)
+    assert (report.turns, report.cut) == (2, 0)
+    first, second = (json.loads(line) for line in out.read_text().splitlines())
+    assert first["messages"][1] == {"role": "assistant", "content": greedy_reply(engine, [first["messages"][0]], 24)}
+    assert "finish_reason" not in second  # the old reply's reason went with it
 
 
 def test_the_command_line(tiny, tmp_path):

@@ -24,7 +24,10 @@ up to and including the template's end-of-turn marker (``<|im_end|>`` for ChatML
 ``<|eot_id|>`` for Llama-3). Whitespace the template writes after the marker (ChatML's
 ``"\\n"``) is **not** supervised: the model stops at the marker and never generates it.
 (The turn's rendering is right-stripped, so with a template that writes no marker at all a
-reply's own trailing whitespace is not supervised either.)
+reply's own trailing whitespace is not supervised either.) A reply cut at a token budget,
+marked ``"finish_reason": "length"`` on its message (on the row for the ``prompt`` form, as
+``specforge regenerate`` writes it), is supervised up to the end of its content only: the
+marker after it is not what the target produced there.
 Everything else is 0: system and user turns, role headers, BOS, and any template text
 before the first turn.
 
@@ -76,6 +79,10 @@ BAD_ROLE_ORDER = "bad role order"
 NO_ASSISTANT = "no assistant turn"
 BAD_TOKENS = "bad pre-tokenized row"
 NO_SUPERVISED = "no supervised token within max_length"
+
+#: An assistant message's (or a prompt row's) ``finish_reason`` saying its reply was cut at the token budget
+#: rather than ended by the target (``specforge regenerate`` writes it; OpenAI's API reports it so).
+CUT_AT_LENGTH = "length"
 
 #: Known speaker names, ``role`` and ShareGPT ``from`` alike, and the role each means.
 _ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
@@ -230,6 +237,10 @@ def _prompt_messages(obj: dict[str, Any]) -> Messages:
         if not isinstance(value, str):
             raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE}: '{key}' must be a string, not {_json_kind(value)}")
         messages.append({"role": role, "content": value})
+    finish = obj.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE}: 'finish_reason' must be a string, not {_json_kind(finish)}")
+    _with_finish_reason(messages[-1], finish)
     return messages
 
 
@@ -249,7 +260,20 @@ def _normalize_message(index: int, item: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE} {index}: '{content_key}' must be a string, "
                                        f"not {_json_kind(content)}")
-    return {"role": _ROLES[role], "content": content}
+    message = {"role": _ROLES[role], "content": content}
+    finish = item.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE} {index}: 'finish_reason' must be a string, "
+                                       f"not {_json_kind(finish)}")
+    return _with_finish_reason(message, finish)
+
+
+def _with_finish_reason(message: dict[str, str], finish: str | None) -> dict[str, str]:
+    """``message``, marked as a reply cut at the token budget when ``finish`` is ``"length"`` (see
+    :data:`CUT_AT_LENGTH`); other finish reasons say the reply ended as the target ended it."""
+    if finish == CUT_AT_LENGTH and message["role"] == "assistant":
+        message["finish_reason"] = CUT_AT_LENGTH
+    return message
 
 
 def _check_turn_order(messages: Messages) -> int:
@@ -351,6 +375,8 @@ def _render_with_spans(tokenizer: Any, messages: Sequence[dict[str, str]],
             span = (len(prompt), end)
             _require_turn_before_next(text, span, messages, index)
         _require_reply_inside(text[span[0]:span[1]], messages[index]["content"], index)
+        if messages[index].get("finish_reason") == CUT_AT_LENGTH:
+            span = _cut_reply_span(text, span, messages[index]["content"])
         spans.append(span)
     return text, spans
 
@@ -368,6 +394,25 @@ def _require_reply_inside(turn: str, content: str, index: int) -> None:
             f"the chat template's rendering of assistant message {index} does not contain the end of its content "
             f"({tail!r}); the supervised text would be {turn[:60]!r}. The template rewrites replies, so the loss "
             "mask cannot follow them: fix the template, or pass pre-tokenized input_ids with loss_mask rows")
+
+
+def _cut_reply_span(text: str, span: tuple[int, int], content: str) -> tuple[int, int]:
+    """The supervised part of a turn whose reply was cut at the token budget: up to the end of its content.
+
+    The end-of-turn marker the template writes after a cut reply is not what the target produced there (it
+    would have gone on), so a draft trained on it would learn to end replies at arbitrary lengths.
+    """
+    answer = content.rsplit("</think>", 1)[-1]
+    kept = answer.rstrip()
+    if not kept:
+        return span[0], span[0]
+    tail = kept[-24:]
+    at = text.rfind(tail, span[0], span[1])  # found: _require_reply_inside has checked
+    end = at + len(tail)
+    trailing = answer[len(kept):]  # whitespace the target generated before the cut, where the template keeps it
+    if trailing and text.startswith(trailing, end) and end + len(trailing) <= span[1]:
+        end += len(trailing)
+    return span[0], end
 
 
 def _require_turn_before_next(text: str, span: tuple[int, int], messages: Messages, index: int) -> None:
@@ -412,8 +457,9 @@ def _history_turn_end(tokenizer: Any, messages: Messages, index: int, prompt: st
 
 
 def _render(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool) -> str:
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no finish_reason
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # a Jinja error, a missing template, ...: say where it came from
         raise ChatTemplateError(f"the tokenizer's chat template failed to render {len(messages)} messages: "
                                 f"{type(exc).__name__}: {exc}") from exc
