@@ -52,6 +52,21 @@ def align(input_ids: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.T
     return shift_left(input_ids), mask, shift_left(last_hidden)
 
 
+def round_depth(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` long, aligned as :func:`align` aligns: at position j, the deepest unroll step a decoding round
+    reaches it at, ``k <= depth[j]`` — the offset of token j+1 in its run of response tokens.
+
+    With ``loss_positions: decode`` a round starts at aligned position i only after a response token
+    (token i+1), and its step k drafts token i+2+k, scored at the teacher row j = i+k. A row j whose token
+    j+1 is the d-th of its reply (from 0) is reached by the rounds starting at j, j-1, ..., j-d only: deeper
+    steps would start a round at a prompt token, which decoding never does.
+    """
+    supervised = loss_mask.bool()
+    index = torch.arange(loss_mask.shape[1], device=loss_mask.device).expand_as(loss_mask)
+    last_gap = torch.where(supervised, torch.full_like(index, -1), index).cummax(dim=1).values
+    return shift_left(index - last_gap - 1)
+
+
 @torch.no_grad()
 def simulated_acceptance(step_logits: list[torch.Tensor], target_ids: torch.Tensor, response: torch.Tensor,
                          d2t: torch.Tensor) -> dict[str, tuple[float, float]]:
@@ -142,8 +157,8 @@ def unroll_windows(position_mask: torch.Tensor, ttt_length: int) -> UnrollWindow
 
 def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, target_ids: torch.Tensor,
              position_mask: torch.Tensor, loss_mask: torch.Tensor, d2t: torch.Tensor,
-             decay: float, windows: UnrollWindows | None = None) -> tuple[torch.Tensor,
-                                                                         dict[str, tuple[float, float]]]:
+             decay: float, windows: UnrollWindows | None = None,
+             depth: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """The unrolled loss and its ratio metrics.
 
     ``step_hidden[k] [B, S, h]`` at position t is supervised by the teacher at t+k: the
@@ -156,7 +171,8 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     ``score(rows [R, h], targets)`` returns ``(sum_r CE, draft ids [R])``
     (the draft's ``lm_head(norm(rows), targets)``, :mod:`.head_loss`). With ``windows``
     (:func:`unroll_windows`) ``step_hidden[k]`` holds each sample's window only; every row a step
-    scores lies inside.
+    scores lies inside. ``depth`` (:func:`round_depth`, ``loss_positions: decode``) bounds each row's deepest
+    step further: a row is scored, and counted in ``acc_k``, only at the steps a decoding round reaches it at.
 
     Ratio metrics: ``loss`` (sum_k decay^k S_k, N_0), ``ploss_k`` (S_k, N_k), and ``acc_k``
     (#[d2t(argmax logits_k) == target argmax] over loss_mask_k, #loss_mask_k) — the mask is
@@ -167,7 +183,11 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     b, s = position_mask.shape
     steps = len(step_hidden)
     teacher_rows = position_mask.reshape(-1).nonzero().squeeze(1)  # j = b*S + t, a host sync
-    reach = (teacher_rows % s).clamp(max=steps - 1)  # the deepest step that scores the row
+    # the deepest step each position is scored at: t (no hidden row deeper), and where decoding starts rounds
+    deepest = torch.arange(s, device=position_mask.device).expand(b, s)
+    if depth is not None:
+        deepest = torch.minimum(deepest, depth)
+    reach = deepest.reshape(-1)[teacher_rows].clamp(max=steps - 1)
     teacher_rows = teacher_rows[torch.argsort(reach, descending=True, stable=True)]
     # n_k = #(rows at t >= k) for each step, from the row count per reach: a second host sync
     live = torch.bincount(reach, minlength=steps).flip(0).cumsum(0).flip(0).tolist()
@@ -187,7 +207,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
         total = total + decay ** k * step_sum
         with torch.no_grad():
             correct = (draft_ids + d2t[draft_ids] == wanted[:live[k]]).sum()
-            counts += [step_sum.detach(), correct.float(), loss_mask[:, k:].sum().float()]
+            counts += [step_sum.detach(), correct.float(), (loss_mask.bool() & (deepest >= k)).sum().float()]
     loss = total / max(1, live[0])
     values = torch.stack([total.detach(), *counts]).double().cpu().tolist()  # one device sync
     ratios: dict[str, tuple[float, float]] = {"loss": (values[0], float(live[0]))}

@@ -68,7 +68,8 @@ class Eagle3Options:
                                     check=positive)
     loss_positions: str = option(
         "decode", "Which positions train. decode: those speculative decoding drafts from (after each response "
-                  "token but the last, the first round after the prompt included). reference: docs/algorithms.md's and "
+                  "token but the last, the first round after the prompt included), each unroll step only where "
+                  "a round reaches that deep (none starts on a prompt token). reference: docs/algorithms.md's and "
                   "SpecForge's unshifted loss mask, which skips the first round of every reply and trains two "
                   "positions past its end.", choices=("decode", "reference"))
     trim_unroll: bool = option(

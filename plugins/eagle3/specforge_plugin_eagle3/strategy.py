@@ -22,7 +22,7 @@ from specforge_core.protocols import BuildContext, CapturePlan, DataStats, Specu
 from specforge_core.serving import DEFAULT_EXPORT_DTYPE
 
 from .export import export_draft, load_draft
-from .loss import align, simulated_acceptance, tau_sim, teacher, ttt_loss, unroll_windows
+from .loss import align, round_depth, simulated_acceptance, tau_sim, teacher, ttt_loss, unroll_windows
 from .model import Eagle3Config, Eagle3Draft
 from .options import Eagle3Options, data_sized_vocab, resolve_aux_layer_ids, resolve_draft_vocab_size
 from .speculate import speculate
@@ -134,9 +134,11 @@ class Eagle3Strategy:
         trim = training and self.options.trim_unroll
         windows = unroll_windows(position_mask, self.options.ttt_length) if trim else None
         step_hidden = model.unroll(ids, batch[AUX_FEATURE], attention_mask, self.options.ttt_length, windows)
+        # decode: each row only at the steps a round reaches it at (no round starts on a prompt token)
+        depth = round_depth(batch["loss_mask"]) if self.options.loss_positions == "decode" else None
         loss, ratios = ttt_loss(step_hidden, lambda rows, targets: model.lm_head(model.norm(rows), targets),
                                 p_t, target_ids, position_mask, loss_mask, model.d2t, self.options.loss_decay,
-                                windows)
+                                windows, depth)
         if not training:  # the decode replay: eval only (a host-side walk per sample)
             # as deep as decoding drafts (spec_depth), within the steps the unroll has (ttt_length)
             depth = self.options.spec_depth or self.options.ttt_length

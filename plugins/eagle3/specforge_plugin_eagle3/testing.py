@@ -26,14 +26,14 @@ def tiny_target(vocab: int = V, hidden: int = H, layers: int = 4) -> tuple[Targe
     return info, frozen
 
 
-def tiny_batch(strategy, info: TargetInfo, lengths: tuple[int, ...] = (5, 3), seed: int = 1):
-    """``(samples, batch)``: seeded random samples of ``lengths`` tokens (the first one a prompt) with the
-    features EAGLE3 captures, and ``strategy``'s collate of them."""
+def tiny_batch(strategy, info: TargetInfo, lengths: tuple[int, ...] = (5, 3), seed: int = 1, prompt: int = 1):
+    """``(samples, batch)``: seeded random samples of ``lengths`` tokens (the first ``prompt`` of them a prompt)
+    with the features EAGLE3 captures, and ``strategy``'s collate of them."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for n in lengths:
         mask = torch.ones(n, dtype=torch.long)
-        mask[0] = 0
+        mask[:prompt] = 0
         samples.append({"input_ids": torch.randint(0, info.vocab_size, (n,), generator=gen),
                         "loss_mask": mask,
                         "aux_hidden": torch.randn(n, 3 * info.hidden_size, generator=gen),

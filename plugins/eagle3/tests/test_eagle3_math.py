@@ -14,7 +14,7 @@ from specforge_core.training.distributed import DistInfo
 from specforge_plugin_eagle3 import Eagle3Options
 from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
-from specforge_plugin_eagle3.loss import align, tau_sim, ttt_loss, unroll_windows
+from specforge_plugin_eagle3.loss import align, round_depth, tau_sim, ttt_loss, unroll_windows
 from specforge_core.nn import apply_rope
 from specforge_plugin_eagle3.model import (CAUSAL, UnrollWindows, additive_mask, repeat_kv, right_padded, shift_left,
                                           take_rows, ttt_attention, ttt_key_mask)
@@ -253,6 +253,26 @@ def test_alignment_shifts_ids_and_last_hidden_and_drops_each_samples_last_positi
     assert d_mask.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
 
 
+def test_round_depth_is_each_positions_offset_in_its_reply_so_no_round_starts_on_a_prompt_token():
+    # two replies (tokens 2-4 and 7-8) after prompts; aligned position j is about token j + 1
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1]])
+    assert round_depth(loss_mask).tolist() == [[-1, 0, 1, 2, -1, -1, 0, 1, 0]]
+    # the decode rows (j + 1 and j + 2 in a reply) and the steps that score them: j = 2 (token 3, the reply's
+    # second) only at steps 0 and 1; step 2 would start its round at j = 0, after a prompt token
+    _, mask, _ = align(loss_mask, loss_mask, torch.zeros(1, 9, 1), torch.ones(1, 9, dtype=torch.long), "decode")
+    assert mask.tolist() == [[0, 1, 1, 0, 0, 0, 1, 0, 0]]
+    p_t = torch.full((1, 9, 2), 0.5)
+    hidden = [torch.zeros(1, 9, 2, requires_grad=True) for _ in range(3)]
+    score = lambda rows, targets: head_soft_cross_entropy(rows, torch.eye(2), targets)  # noqa: E731
+    _, ratios = ttt_loss(hidden, score, p_t, torch.zeros(1, 9, dtype=torch.long), mask.bool(), mask,
+                         torch.zeros(2, dtype=torch.long), 0.8, depth=round_depth(loss_mask))
+    assert [ratios[f"ploss_{k}"][1] for k in range(3)] == [3.0, 1.0, 0.0]
+    assert [ratios[f"acc_{k}"] for k in range(3)] == [(3.0, 3.0), (1.0, 1.0), (0.0, 0.0)]
+    _, unbounded = ttt_loss(hidden, score, p_t, torch.zeros(1, 9, dtype=torch.long), mask.bool(), mask,
+                            torch.zeros(2, dtype=torch.long), 0.8)  # without depth: t >= k alone
+    assert [unbounded[f"ploss_{k}"][1] for k in range(3)] == [3.0, 3.0, 2.0]
+
+
 def test_shift_left_zero_fills_and_handles_shifts_past_the_end():
     x = torch.tensor([[1, 2, 3]])
     assert shift_left(x, 2).tolist() == [[3, 0, 0]]
@@ -381,19 +401,21 @@ def test_ttt_loss_scores_each_step_at_the_positions_that_deep_in_every_sample_wi
     assert got[4].abs().max() == 0 and got[3].count_nonzero() == 3  # step 3: the one row at depth 3 (0, 0)
 
 
-def supervised_at(mask, u, n, positions):
-    """Whether the target at aligned position u (token u + 2) is supervised, per ``loss_positions``."""
+def supervised_at(mask, t, u, n, positions):
+    """Whether step u - t of the round at aligned position t, scored against the target at aligned position u
+    (token u + 2), is supervised, per ``loss_positions``."""
     if positions == "reference":  # docs/algorithms.md: token u is a response token and u + 1 exists
         return u + 1 < n and bool(mask[u])
-    return u + 2 < n and bool(mask[u + 1]) and bool(mask[u + 2])  # decode: bonus u + 1 and draft u + 2 in the reply
+    # decode: the round starts after a reply token (t + 1) and drafts up to token u + 2 inside the same reply
+    return u + 2 < n and all(bool(mask[i]) for i in range(t + 1, u + 3))
 
 
-@pytest.mark.parametrize("positions", ["decode", "reference"])
-def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens(positions):
+@pytest.mark.parametrize("positions, prompt", [("decode", 1), ("reference", 1), ("decode", 3)])
+def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens(positions, prompt):
     info, frozen = tiny_target()
     options = Eagle3Options(ttt_length=3, draft_vocab_size=6, loss_decay=0.8, loss_positions=positions)
     strategy = Eagle3Strategy(options)
-    samples, batch = tiny_batch(strategy, info, lengths=(6, 4))
+    samples, batch = tiny_batch(strategy, info, lengths=(6 + prompt, 4 + prompt), prompt=prompt)
     counts = torch.zeros(V, dtype=torch.long)
     for s in samples:
         counts += torch.bincount(s["input_ids"], minlength=V)
@@ -412,7 +434,7 @@ def test_forward_loss_equals_an_explicit_loop_over_steps_positions_and_tokens(po
         for t in range(n - 1):  # the last real position has no next token
             for k in range(3):
                 u = t + k  # step k at t is supervised by the target at position u + 1
-                if not supervised_at(sample["loss_mask"], u, n, positions):
+                if not supervised_at(sample["loss_mask"], t, u, n, positions):
                     continue
                 z_t = (head @ sample["last_hidden"][u + 1]).tolist()
                 target_argmax = max(range(V), key=lambda j: z_t[j])
