@@ -14,9 +14,10 @@ This is where topologies are chosen — never in the training loop:
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .components import build_component
 from .config import RunPlan, data_contract, engine_train_suggestions, with_suggested_train_options
@@ -32,12 +33,14 @@ class RunError(SpecforgeError):
 
 
 def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_fingerprint: str,
-                 layer_ids: Any = ()) -> dict[str, Any]:
+                 layer_ids: Any = (), sample_keys: Sequence[str] | None = None) -> dict[str, Any]:
     """What a resume must match; each key is named in the refusal message. ``layer_ids`` are the target
     layers the draft is trained on (resolved from the options and the target), which an export repeats.
     ``seed`` orders the epochs; ``data``, in a run that reads its data itself (not from captured features or a
     stream, which carry their own identity), says which rows train and how: a resume with other data or another
-    seed would seek to a position in another order of other samples."""
+    seed would seek to a position in another order of other samples. ``samples`` (from ``sample_keys``, what
+    identifies each training sample in the loader's order, where the source knows them all up front) catches
+    what the options cannot: a data file edited in place, features captured again into the same directory."""
     contract = {
         "strategy": plan["strategy"].spec.name,
         "strategy_options": options_to_dict(plan["strategy"].options),
@@ -51,7 +54,18 @@ def run_contract(plan: RunPlan, world_size: int, total_steps: int, target_finger
     }
     if plan.features is None:
         contract["data"] = data_contract(plan.data)
+    if sample_keys is not None:
+        contract["samples"] = samples_fingerprint(sample_keys)
     return contract
+
+
+def samples_fingerprint(keys: Sequence[str]) -> dict[str, Any]:
+    """``{"count", "digest"}`` of an ordered list of sample keys: the resume contract's ``samples``."""
+    digest = hashlib.blake2b(digest_size=16)
+    for key in keys:
+        digest.update(key.encode())
+        digest.update(b"\n")
+    return {"count": len(keys), "digest": digest.hexdigest()}
 
 
 def train_suggestions(plan: RunPlan, record: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -164,7 +178,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
                           contract=run_contract(plan, info.world_size, total_steps, source.fingerprint,
-                                                strategy.capture_plan(source.target).layer_ids),
+                                                strategy.capture_plan(source.target).layer_ids,
+                                                getattr(source, "sample_keys", lambda: None)()),
                           hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=best_metric,
                           best_mode=best_mode, summary_extra=summary_extra,
                           on_checkpoint=getattr(source, "checkpointed", None))

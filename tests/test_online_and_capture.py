@@ -129,3 +129,19 @@ def test_online_run_resumes_bit_exactly(site, tiny, tmp_path, ranks):
                 if "loss" in r]
 
     assert losses(broken) == losses(full)
+
+
+def test_resume_after_the_data_file_was_edited_in_place_is_refused(site, tiny, tmp_path):
+    # the same path and options: only the resume contract's samples (ids hashing each row's tokens) can tell
+    data = tmp_path / "chats.jsonl"
+    rows = [json.loads(line) for line in (tiny / "train.jsonl").read_text().splitlines()[:48]]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    specforge(site, *online_args(tiny, run, "--data", str(data), steps=2))
+    before = sorted(p.name for p in run.iterdir())
+    reply = next(m for m in rows[5]["messages"] if m["role"] == "assistant")
+    reply["content"] += " Indeed."
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = specforge(site, *online_args(tiny, run, "--data", str(data), "--resume", "latest", steps=4), expect=1)
+    assert "samples.digest changed" in proc.stderr and "a data file edited in place" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == before

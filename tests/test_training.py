@@ -165,6 +165,20 @@ def test_resume_against_a_different_target_is_refused(site, features, tmp_path):
     assert "cannot resume from" in proc.stderr and "target changed" in proc.stderr
 
 
+def test_resume_on_features_captured_again_with_other_samples_is_refused(site, features, tmp_path):
+    # the same target (frozen parts) and options: only the samples differ, as after a capture with other data
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, steps=4))
+    before = sorted(p.name for p in out.iterdir())
+    fewer = make_features(tmp_path / "fewer", n_train=22)
+    proc = specforge(site, *train_args(fewer, out, "--resume", "latest", steps=4), expect=1)
+    assert "samples.count changed (checkpoint: 24, now: 22): the training samples are not those" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+    other = make_features(tmp_path / "other", seed=1)  # as many samples, other contents
+    proc = specforge(site, *train_args(other, out, "--resume", "latest", steps=4), expect=1)
+    assert "samples.digest changed" in proc.stderr
+
+
 def test_resume_with_a_different_world_size_is_refused(site, features, tmp_path):
     out = tmp_path / "out"
     specforge(site, *train_args(features, out, steps=4))

@@ -133,6 +133,23 @@ def test_the_seed_and_data_are_checked_where_the_checkpoint_recorded_them(tmp_pa
         check_contract({**now, "target": "a"}, now, tmp_path)  # any other field is checked as before
 
 
+def test_the_training_samples_are_checked_where_the_checkpoint_recorded_them(tmp_path):
+    from specforge_core.runtime import samples_fingerprint
+
+    now = {"strategy": "x", "samples": samples_fingerprint(["a.jsonl:1:00aa", "a.jsonl:2:00bb"])}
+    assert now["samples"]["count"] == 2 and len(now["samples"]["digest"]) == 32
+    check_contract({"strategy": "x"}, now, tmp_path)  # an earlier release's checkpoint: not recorded
+    edited = samples_fingerprint(["a.jsonl:1:00aa", "a.jsonl:2:00cc"])  # line 2's tokens changed
+    with pytest.raises(CheckpointError, match=r"samples\.digest changed \(checkpoint: '[0-9a-f]{32}', now: "
+                                              r"'[0-9a-f]{32}'\): the training samples are not those the checkpoint "
+                                              r"trained on \(a data file edited in place, "):
+        check_contract({**now, "samples": edited}, now, tmp_path)
+    reordered = samples_fingerprint(["a.jsonl:2:00bb", "a.jsonl:1:00aa"])
+    assert reordered["digest"] != now["samples"]["digest"]  # the order is the loader's: it is part of the identity
+    with pytest.raises(CheckpointError, match=r"samples\.count changed \(checkpoint: 1, now: 2\)"):
+        check_contract({**now, "samples": samples_fingerprint(["a.jsonl:1:00aa"])}, now, tmp_path)
+
+
 def test_curves_are_smoothed_without_bias_and_eval_points_are_drawn(tmp_path):
     from specforge_core.training.plot import plot_curves, smoothed
 

@@ -67,6 +67,11 @@ class OnlineSource:
     def samples_per_rank(self, world_size: int) -> int:
         return len(self.samples) // world_size
 
+    def sample_keys(self) -> list[str]:
+        """What identifies each training sample, in the loader's order (for the resume contract): its id, which
+        names the file and line and hashes its tokens and mask."""
+        return [sample.sample_id for sample in self.samples]
+
     def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
         """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
         return [(s.input_ids, s.loss_mask) for s in self.eval_samples[:limit]]

@@ -54,6 +54,12 @@ class OfflineSource:
     def samples_per_rank(self, world_size: int) -> int:
         return len(self.refs) // world_size
 
+    def sample_keys(self) -> list[str]:
+        """What identifies each training sample, in the loader's order (for the resume contract): its id (a
+        capture's names the data file and line and hashes the tokens) and its features' shapes."""
+        return [ref.sample_id + "".join(f" {name}={'x'.join(map(str, spec.shape))}"
+                                        for name, spec in sorted(ref.features.items())) for ref in self.refs]
+
     def eval_loader_factory(self, collate: Callable, *, batch_size: int, rank: int, world_size: int) -> Any:
         if not self.eval_refs:
             return None

@@ -229,7 +229,10 @@ class CheckpointManager:
 HORIZON = "total_steps"
 #: Contract fields checkpoints of earlier releases did not record: a saved contract without one is not checked
 #: on it (the run resumes as those releases let it).
-RECORDED_LATER = frozenset({"seed", "data"})
+RECORDED_LATER = frozenset({"seed", "data", "samples"})
+#: What a changed contract field means, where its name alone does not say
+CHANGE_HINTS = {"samples": "the training samples are not those the checkpoint trained on (a data file edited in "
+                           "place, features captured again into the same directory, another tokenizer)"}
 
 
 def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path, *, completed: int = 0) -> None:
@@ -254,7 +257,11 @@ def check_contract(saved: dict[str, Any], current: dict[str, Any], path: Path, *
                 if old.get(sub) != new.get(sub):
                     raise CheckpointError(
                         f"cannot resume from {path}: {key}.{sub} changed (checkpoint: {old.get(sub)!r}, "
-                        f"now: {new.get(sub)!r}); resume with the same setting or start a new run")
+                        f"now: {new.get(sub)!r}){_hint(key)}; resume with the same setting or start a new run")
         elif old != new:
-            raise CheckpointError(f"cannot resume from {path}: {key} changed (checkpoint: {old!r}, now: {new!r}); "
-                                  "resume with the same setting or start a new run")
+            raise CheckpointError(f"cannot resume from {path}: {key} changed (checkpoint: {old!r}, now: {new!r})"
+                                  f"{_hint(key)}; resume with the same setting or start a new run")
+
+
+def _hint(key: str) -> str:
+    return f": {CHANGE_HINTS[key]}" if key in CHANGE_HINTS else ""
