@@ -72,11 +72,13 @@ def speculative_decode(model: DFlashBackbone, session: Any, prompt_ids: Any, *, 
     accept_lengths, accepted_drafts = [1], []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         position = session.length  # where the last accepted token goes; the cache holds everything before it
-        drafts = draft(model, ctx, tokens[-1], position).cpu()  # [bs-1]
+        budget = max_new_tokens - len(tokens)
+        # [bs-1], or fewer: a round emits at most the budget's tokens, so drafts past budget-1 would be verified
+        # for nothing (the last round's bonus is then the target's token after the last kept draft)
+        drafts = draft(model, ctx, tokens[-1], position).cpu()[: budget - 1]
         out = session.extend(torch.cat([torch.tensor([tokens[-1]]), drafts]))
         target_next = argmax_last(out["logits"]).cpu()  # the target's token after each verified position
-        accepted, new = accept_drafts(drafts.tolist(), target_next.tolist(), stop=stop,
-                                      budget=max_new_tokens - len(tokens))
+        accepted, new = accept_drafts(drafts.tolist(), target_next.tolist(), stop=stop, budget=budget)
         session.truncate(position + accepted + 1)  # keep the anchor and the accepted drafts
         ctx = torch.cat([ctx, model.context(out[feature][: accepted + 1].to(device)[None])], dim=1)
         tokens.extend(new)

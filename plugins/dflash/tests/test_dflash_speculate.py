@@ -122,10 +122,16 @@ def test_decoding_stops_after_the_eos_token_and_respects_max_new_tokens(engine):
     assert result.accepted_drafts == [min(4, n) for n in result.accept_lengths[1:]]
     if len(result.accept_lengths) > 1 and stop_at % 5:  # the EOS is a draft, not a round's bonus: none after it
         assert result.accepted_drafts[-1] == result.accept_lengths[-1]
-    short = speculative_decode(model, engine.session(prompt, plan), prompt, feature=plan.hidden_feature,
+    session = engine.session(prompt, plan)
+    verified = []  # positions each verification runs through the target
+    extend = session.extend
+    session.extend = lambda ids: verified.append(len(ids)) or extend(ids)
+    short = speculative_decode(model, session, prompt, feature=plan.hidden_feature,
                                max_new_tokens=3, draft=oracle_draft(reference, len(prompt), 0, 0))
     assert short.tokens == reference[:3] and short.accept_lengths == [1, 2]
-    assert short.accepted_drafts == [2]  # both new tokens are drafts: the budget cut the round before its bonus
+    # two tokens were left: the round verified the anchor and one draft, not the block's four (bs 5), and emitted
+    # that draft and the target's bonus after it
+    assert verified == [2] and short.accepted_drafts == [1]
 
 
 def test_an_empty_session_is_prefilled_by_speculate(engine):
