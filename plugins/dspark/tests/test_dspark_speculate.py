@@ -87,7 +87,7 @@ def test_speculate_equals_the_targets_greedy_decode_at_any_threshold(engine, mak
         model.confidence_head.proj.weight.mul_(scale)
         model.confidence_head.proj.bias.fill_(bias)
     plan = strategy.capture_plan(info)
-    verified = []
+    verified, whole = [], []
     for prompt in prompts(5, info.vocab_size):
         reference = greedy_decode(engine, prompt, plan, max_new_tokens=16, eos_token_id=None)
         session = CountingSession(engine.session(torch.tensor(prompt), plan))
@@ -97,10 +97,12 @@ def test_speculate_equals_the_targets_greedy_decode_at_any_threshold(engine, mak
         assert len(session.forward_tokens) == result.target_forwards
         assert max(result.accept_lengths) <= 5  # bs drafts plus the bonus token
         verified.extend(session.forward_tokens[1:])
+        # never cut: the anchor plus bs drafts, or as many tokens as the budget has left (the last round's)
+        whole.extend(min(5, 16 - sum(result.accept_lengths[:r])) for r in range(1, len(result.accept_lengths)))
     if bias < 0:  # no slot is that confident: the target verifies the anchor alone, one token a forward
         assert set(verified) == {1}
-    elif threshold == 0.0:  # never cut: anchor plus bs drafts
-        assert set(verified) == {5}
+    elif threshold == 0.0:
+        assert verified == whole and 5 in verified
     else:
         assert 1 <= min(verified) and max(verified) <= 5 and len(set(verified)) > 1
     assert model.training  # speculate restores the mode it found
