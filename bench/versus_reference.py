@@ -110,7 +110,9 @@ KERNELS = {
                              "vocabulary-wide head (8192 rows or more) in float32, or in bf16 where the CPU has "
                              "bf16 GEMMs: its two products on oneDNN from copies of the frozen head packed once "
                              "and kept (specforge_core.nn.frozen_head: two more copies of it in memory, made in "
-                             "the untimed first step); a float32 one not packed: the logits GEMM in blocks of "
+                             "the untimed first step), except that on an Intel CPU a float32 head narrower than "
+                             "1024 takes its input gradient from MKL over the head itself (one copy fewer); a "
+                             "float32 one not packed: the logits GEMM in blocks of "
                              "1024 columns (specforge_core.nn.mm_wide)",
                       "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per tile)"},
         "reference_attention": {"cpu": "SDPA (flash attention for CPU) with the dense [N*bs, S+N*bs] mask, K/V "

@@ -210,6 +210,29 @@ def test_a_wide_float32_frozen_head_is_packed_once_and_packed_again_when_it_chan
     assert len(sf_nn._FROZEN_HEADS) == kept - 1  # the packed copies go with their head
 
 
+@pytest.mark.skipif(not PACKS_HERE, reason="oneDNN's packed heads run on x86-64 CPUs with oneDNN only")
+@pytest.mark.parametrize("vendor, width, plain", [("GenuineIntel", 576, True), ("GenuineIntel", 1023, True),
+                                                  ("GenuineIntel", 1024, False), ("AuthenticAMD", 576, False)])
+def test_a_narrow_float32_heads_input_gradient_comes_from_mkl_over_the_head_on_intel_cpus(monkeypatch, vendor,
+                                                                                          width, plain):
+    """Where MKL's ``dz W`` outran oneDNN's packed one (float32 heads narrower than 1024 on an Intel CPU) the input
+    gradient is MKL's over the head itself, and no second packed copy is made; elsewhere it is oneDNN's. The CPU
+    vendor is faked (this machine has one vendor)."""
+    monkeypatch.setattr(sf_nn, "_cpu_identity", lambda: (set(), vendor))
+    torch.manual_seed(0)
+    head = torch.nn.Parameter(torch.randn(8 * WIDE_COLUMNS, width), requires_grad=False)
+    dz = torch.randn(12, head.shape[0])
+    frozen = frozen_head(head, torch.float32)
+    assert frozen.packed and sf_nn.plain_head_grad(head) is plain
+    grad = frozen.input_grad(dz)
+    assert (frozen._packed[1] is None) is plain  # the second packed copy exists only where oneDNN computes it
+    if plain:
+        assert torch.equal(grad, dz @ head)
+    else:
+        torch.testing.assert_close(grad, dz @ head, rtol=1e-5, atol=2e-3)
+    assert not sf_nn.plain_head_grad(head.detach().to(torch.bfloat16))  # MKL has no bf16 GEMM: oneDNN's then
+
+
 @pytest.mark.parametrize("rows, dtype, head_dtype", [(8 * WIDE_COLUMNS - 1, torch.float32, torch.float32),
                                                      (8 * WIDE_COLUMNS - 1, torch.bfloat16, torch.bfloat16),
                                                      (8 * WIDE_COLUMNS, torch.float64, torch.float64),
