@@ -27,17 +27,19 @@ def save_random_target(folder, architecture):
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
                                                      eos_token="<eos>")
     config_class, model_class = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-                                 "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[architecture]
+                                 "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[architecture]
+    window = {"sliding_window": 6} if architecture == "mistral" else {}  # windowed layers, rolled back past 6
     config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                          tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
-    torch.manual_seed({"qwen3": 1, "llama": 2}[architecture])
+                          tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, **window)
+    torch.manual_seed({"qwen3": 1, "llama": 2, "mistral": 3}[architecture])
     model_class(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "mistral"])
 def engine(request, tmp_path_factory):
     folder = save_random_target(tmp_path_factory.mktemp(request.param), request.param)
     from specforge_plugin_hf import HFEngineOptions

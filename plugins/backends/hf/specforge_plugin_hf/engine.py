@@ -405,6 +405,13 @@ class HFVerifySession:
         self._plan = plan
         self._layers = engine._check_plan(plan)
         self._cache = DynamicCache(config=engine.model.config)
+        # Sliding-window (Mistral, Gemma 2/3) and linear-attention layers keep only what the next forward needs, so
+        # a rejected draft could not be taken back out of them; recording their past lets truncate roll them back,
+        # each truncate then restricting them to what they keep again.
+        self._rollback = hasattr(self._cache, "activate_past_recording") and any(
+            hasattr(layer, "activate_past_recording") for layer in self._cache.layers)
+        if self._rollback:
+            self._cache.activate_past_recording()
         self.length = 0
         self.prefill: dict[str, torch.Tensor] | None = None if prompt_ids is None else self.extend(prompt_ids)
 
@@ -423,7 +430,7 @@ class HFVerifySession:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
             raise TargetEngineError(f"session.truncate({length!r}): length must be an integer in 0..{self.length} "
                                     "(the number of cached positions)")
-        if length < self.length:
+        if length < self.length or self._rollback:
             try:
                 self._cache.crop(length - self.length)  # a negative count removes that many positions
             except RuntimeError as exc:

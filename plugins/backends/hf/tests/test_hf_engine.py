@@ -425,3 +425,50 @@ def test_the_toy_eval_split_for_runs_holds_the_targets_own_replies(engine):
                                                           else reply)
     stamp = own.stat().st_mtime_ns
     assert engine.default_eval_data() == own and own.stat().st_mtime_ns == stamp  # made once, then reused
+
+
+# -- sliding-window targets roll back too --------------------------------------------------------
+
+
+def save_sliding_window_target(folder: Path, architecture: str) -> Path:
+    """A random sliding-window transformers model (window 6) with a word-level tokenizer, saved as a model
+    folder: Mistral (every layer windowed) or Gemma 3 (windowed and full layers in turn)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<unk>", "<eos>", "<bos>"] + [f"w{i}" for i in range(60)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                         eos_token="<eos>", bos_token="<bos>").save_pretrained(folder)
+    common = dict(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                  sliding_window=6, pad_token_id=0, eos_token_id=2, bos_token_id=3)
+    if architecture == "mistral":
+        config, model_class = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    else:
+        config = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"] * 2)
+        model_class = transformers.Gemma3ForCausalLM
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma3"])
+def test_a_sliding_window_targets_session_rolls_back_rejected_drafts_past_its_window(tmp_path, architecture):
+    """Sliding-window layers keep only their window; a session records their past so a truncate can take
+    rejected drafts back out, long after the window filled: every verification's logits and features equal
+    one forward over the accepted text."""
+    engine = make_engine(save_sliding_window_target(tmp_path / architecture, architecture))
+    plan = CapturePlan(layer_ids=(0, 2), hidden_feature="target_hidden")
+    text = torch.randint(4, 64, (48,), generator=torch.Generator().manual_seed(1))
+    reference = engine.session(text, plan).prefill
+    session = engine.session(text[:10], plan)
+    position, chunks = 10, [(4, 1), (5, 4), (3, 0), (6, 2), (2, 1), (5, 3), (4, 0), (6, 5), (3, 1), (5, 4)]
+    for size, keep in chunks:  # verify the anchor and size-1 drafts, keep the anchor and `keep` drafts
+        out = session.extend(text[position:position + size])
+        for name in ("logits", "target_hidden"):
+            torch.testing.assert_close(out[name], reference[name][position:position + size], atol=1e-5, rtol=0)
+        position += keep + 1
+        session.truncate(position)
+    assert position == 41 and session.length == 41  # far past the window of 6
