@@ -405,11 +405,15 @@ class HFVerifySession:
         self._plan = plan
         self._layers = engine._check_plan(plan)
         self._cache = DynamicCache(config=engine.model.config)
-        # Sliding-window (Mistral, Gemma 2/3) and linear-attention layers keep only what the next forward needs, so
-        # a rejected draft could not be taken back out of them; recording their past lets truncate roll them back,
-        # each truncate then restricting them to what they keep again.
-        self._rollback = hasattr(self._cache, "activate_past_recording") and any(
-            hasattr(layer, "activate_past_recording") for layer in self._cache.layers)
+        # Sliding-window layers (Mistral, Gemma 2/3) keep only their window, so a rejected draft could not be taken
+        # back out of them; recording their past lets truncate roll them back, each truncate then restricting them
+        # to their window again. Linear-attention layers are left as they are: rolled back that way their
+        # recurrent state keeps the rejected tokens (logits off by 1e-2 on a tiny Qwen3-Next), so their
+        # truncate raises instead.
+        kinds = [type(layer).__name__ for layer in self._cache.layers]
+        self._linear = any("LinearAttention" in kind for kind in kinds)
+        self._rollback = (hasattr(self._cache, "activate_past_recording") and "DynamicSlidingWindowLayer" in kinds
+                          and not self._linear)
         if self._rollback:
             self._cache.activate_past_recording()
         self.length = 0
@@ -434,7 +438,9 @@ class HFVerifySession:
             try:
                 self._cache.crop(length - self.length)  # a negative count removes that many positions
             except RuntimeError as exc:
-                raise TargetEngineError(f"this target's cache cannot roll back: {exc}") from exc
+                why = ("its linear-attention layers keep a recurrent state that cannot give back the rejected draft "
+                       "tokens, so speculative decoding cannot verify drafts on it" if self._linear else str(exc))
+                raise TargetEngineError(f"this target's cache cannot roll back: {why}") from exc
             self.length = length
 
 

@@ -432,7 +432,8 @@ def test_the_toy_eval_split_for_runs_holds_the_targets_own_replies(engine):
 
 def save_sliding_window_target(folder: Path, architecture: str) -> Path:
     """A random sliding-window transformers model (window 6) with a word-level tokenizer, saved as a model
-    folder: Mistral (every layer windowed) or Gemma 3 (windowed and full layers in turn)."""
+    folder: Mistral (every layer windowed) or Gemma 3 (windowed and full layers in turn); or Qwen3-Next's
+    linear-attention one."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -446,6 +447,12 @@ def save_sliding_window_target(folder: Path, architecture: str) -> Path:
                   sliding_window=6, pad_token_id=0, eos_token_id=2, bos_token_id=3)
     if architecture == "mistral":
         config, model_class = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    elif architecture == "qwen3_next":  # linear-attention and full layers in turn, a tiny mixture of experts
+        config = transformers.Qwen3NextConfig(**common, layer_types=["linear_attention", "full_attention"] * 2,
+                                              linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                              linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=16, shared_expert_intermediate_size=16)
+        model_class = transformers.Qwen3NextForCausalLM
     else:
         config = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"] * 2)
         model_class = transformers.Gemma3ForCausalLM
@@ -472,3 +479,17 @@ def test_a_sliding_window_targets_session_rolls_back_rejected_drafts_past_its_wi
         position += keep + 1
         session.truncate(position)
     assert position == 41 and session.length == 41  # far past the window of 6
+
+
+def test_a_linear_attention_target_refuses_to_roll_back_naming_why(tmp_path):
+    """A linear-attention layer's recurrent state cannot give back the tokens it took in: the first truncate of a
+    rejected draft is refused, and the session stays as it was."""
+    engine = make_engine(save_sliding_window_target(tmp_path / "next", "qwen3_next"))
+    plan = CapturePlan(layer_ids=(0,), hidden_feature="target_hidden")
+    session = engine.session(torch.arange(4, 14), plan)
+    session.extend(torch.tensor([20, 21, 22]))
+    with pytest.raises(TargetEngineError, match="this target's cache cannot roll back: its linear-attention layers "
+                                                "keep a recurrent state that cannot give back the rejected draft "
+                                                "tokens"):
+        session.truncate(11)
+    assert session.length == 13
