@@ -179,7 +179,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,
                           contract=run_contract(plan, info.world_size, total_steps, source.fingerprint,
                                                 strategy.capture_plan(source.target).layer_ids,
-                                                getattr(source, "sample_keys", lambda: None)()),
+                                                source.sample_keys()),
                           hooks=manager.hook, ack=source.ack, evaluator=evaluator, best_metric=best_metric,
                           best_mode=best_mode, summary_extra=summary_extra,
                           on_checkpoint=getattr(source, "checkpointed", None))

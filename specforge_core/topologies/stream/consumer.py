@@ -67,6 +67,10 @@ class StreamSource:
     def samples_per_rank(self, world_size: int) -> int:
         return self.record["train_samples"] // world_size
 
+    def sample_keys(self) -> None:
+        """None: a stream's samples arrive as the producer makes them (its record's contract says which)."""
+        return None
+
     def eval_token_rows(self, limit: int) -> list[tuple[list[int], list[int]]]:
         """``(input_ids, loss_mask)`` of the first ``limit`` eval samples (the real acceptance check's prompts)."""
         return stored_token_rows(self.eval_store, self.eval_refs, limit)
