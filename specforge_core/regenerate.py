@@ -69,7 +69,8 @@ class RegenerateReport:
     def summary(self) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
         lines = [f"{self.rows} rows read: {self.written} written, {self.rows - self.written} skipped; {self.turns} "
-                 f"replies generated ({self.cut} cut at max_new_tokens), {self.tokens} tokens at {rate:.1f} "
+                 f"replies generated ({self.cut} cut at max_new_tokens, marked \"finish_reason\": \"length\"), "
+                 f"{self.tokens} tokens at {rate:.1f} "
                  "tokens/s"]
         lines += [f"  skipped {count}: {reason}" for reason, count in sorted(self.skipped.items())]
         lines += [f"  e.g. {example}" for example in self.examples]

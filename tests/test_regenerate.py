@@ -217,7 +217,8 @@ def test_the_command_line(tiny, tmp_path):
     source = write(tmp_path / "in.jsonl", [ROWS[2]])
     proc = run_specforge("regenerate", "--target-model", str(tiny), "--data", str(source), "--output",
                          str(tmp_path / "out.jsonl"), "--max-new-tokens", "8")
-    assert "1 rows read: 1 written, 0 skipped; 1 replies generated" in proc.stdout
+    assert "1 rows read: 1 written, 0 skipped; 1 replies generated (1 cut at max_new_tokens, marked " \
+           '"finish_reason": "length"), 8 tokens at' in proc.stdout
     again = run_specforge("regenerate", "--target-model", str(tiny), "--data", str(source), "--output",
                           str(tmp_path / "out.jsonl"), expect=1)
     assert "already exists; regenerate never overwrites" in again.stderr and "Traceback" not in again.stderr
