@@ -175,23 +175,35 @@ def test_a_template_rewriting_past_turns_without_an_end_marker_is_refused():
         tokenize_messages(chatml_tokenizer(template), turns)
 
 
-def test_a_template_ending_only_the_last_message_with_eos_is_refused_for_past_turns_not_misread():
-    # Phi-3-style: every message ends with its marker, and the conversation's end gets an EOS token too. A past
-    # turn's rendering as the last message then ends "<|im_end|>\n<|endoftext|>", which the whole conversation
-    # holds only at its very end: the span would run over the next user turn. Refused, naming the way out.
+def test_a_template_closing_the_conversation_with_eos_supervises_each_turn_up_to_its_own_marker():
+    # Phi-3-style: every message ends with its marker, and the conversation's end gets an EOS token too. Each
+    # turn, past or final, is supervised up to its own marker: not the newline and EOS after the last one (decoding
+    # stops at the marker), and no past turn runs on to the EOS at the conversation's end.
     template = CHATML_TEMPLATE.replace("{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
                                        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
                                        "{% else %}{{ '<|endoftext|>' }}{% endif %}")
-    assert template != CHATML_TEMPLATE
     tok = chatml_tokenizer(template)
-    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
-             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"}]
+    ids, mask = tokenize_messages(tok, TWO_TURNS)
+    assert template != CHATML_TEMPLATE and tok.decode(ids).endswith("ok<|im_end|>\n<|endoftext|>")
+    assert supervised_segments(tok, ids, mask) == ["hello there<|im_end|>", "ok<|im_end|>"]
+    ids, mask = tokenize_messages(tok, TWO_TURNS, last_turn_only=True)
+    assert supervised_segments(tok, ids, mask) == ["ok<|im_end|>"]
+
+
+def test_a_past_turn_whose_end_cannot_be_found_before_the_next_message_is_refused_not_misread():
+    # A template that marks a reply's end one way when it is the last message and another way before later
+    # messages: the last-message marker is found only at the next user turn's end, so the span would run over
+    # that turn. Refused, naming the way out.
+    template = CHATML_TEMPLATE.replace("'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'",
+                                       "'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                                       "('<|im_end|>' if loop.last or message['role'] != 'assistant' else '<|endoftext|>')")
+    assert template != CHATML_TEMPLATE
     with pytest.raises(ChatTemplateError, match=r"^the end of assistant message 1 could not be found before the "
                                                 r"message after it: .* Use last_turn_only=True"):
-        tokenize_messages(tok, turns)
-    ids, mask = tokenize_messages(tok, turns, last_turn_only=True)  # the final turn alone is located
-    segments = supervised_segments(tok, ids, mask)
-    assert len(segments) == 1 and segments[0].startswith("ok<|im_end|>")
+        tokenize_messages(chatml_tokenizer(template), TWO_TURNS)
+    tok = chatml_tokenizer(template)
+    ids, mask = tokenize_messages(tok, TWO_TURNS, last_turn_only=True)  # the final turn alone is located
+    assert supervised_segments(tok, ids, mask) == ["ok<|im_end|>"]
 
 
 def test_an_empty_assistant_reply_supervises_only_the_marker(chatml):

@@ -41,7 +41,9 @@ of turns before the last user message) fail the second test; for them the turn s
 starts at ``len(P)`` and ends after the first end-of-turn marker that follows, the marker
 being what the template writes after a sentinel reply in the turn's place. So a past turn
 is supervised as the whole conversation shows it (without its reasoning), the last turn
-with it. Any other mismatch raises :class:`ChatTemplateError` rather than a wrong mask. The strings are rendered per turn, but the full text is tokenized
+with it. Text a template writes after the conversation's last message only (Phi-3's EOS
+token after the final turn's marker) is no turn's: it is cut from each rendering before the
+turn is located. Any other mismatch raises :class:`ChatTemplateError` rather than a wrong mask. The strings are rendered per turn, but the full text is tokenized
 once (with ``add_special_tokens=False``: the template already writes BOS), and a token is
 supervised when its character offsets lie inside a turn.
 
@@ -57,6 +59,7 @@ return_offsets_mapping=True)`` returning ``input_ids`` and ``offset_mapping`` (a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -354,12 +357,14 @@ def _render_with_spans(tokenizer: Any, messages: Sequence[dict[str, str]],
     """The full rendering and the ``[start, end)`` character span of each supervised turn."""
     messages = list(messages)
     text = _render(tokenizer, messages, add_generation_prompt=False)
+    closing = _conversation_closing(tokenizer, str(getattr(tokenizer, "chat_template", None)))
     turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     spans = []
     for index in turns[-1:] if last_turn_only else turns:
         prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
         upto = text if index == len(messages) - 1 else _render(tokenizer, messages[:index + 1],
                                                                 add_generation_prompt=False)
+        upto = _without_closing(upto, closing)  # the turn ends before what closes the conversation
         _require_prefix(prompt, upto, index, f"messages[:{index}] with add_generation_prompt=True",
                         f"messages[:{index + 1}]")
         if text.startswith(upto):
@@ -369,7 +374,7 @@ def _render_with_spans(tokenizer: Any, messages: Sequence[dict[str, str]],
             # The turn renders differently once later messages follow it (Qwen3-style templates
             # drop the reasoning of assistant turns before the last user message). The turn
             # still starts where its prompt ends; it ends at the template's end-of-turn marker.
-            end = _history_turn_end(tokenizer, messages, index, prompt, text)
+            end = _history_turn_end(tokenizer, messages, index, prompt, text, closing)
             if end is None:
                 _require_prefix(upto, text, index, f"messages[:{index + 1}]", "the whole conversation")
             span = (len(prompt), end)
@@ -438,7 +443,8 @@ def _require_turn_before_next(text: str, span: tuple[int, int], messages: Messag
 _SENTINEL = "SpecforgeTurnSentinel7f3a"
 
 
-def _history_turn_end(tokenizer: Any, messages: Messages, index: int, prompt: str, text: str) -> int | None:
+def _history_turn_end(tokenizer: Any, messages: Messages, index: int, prompt: str, text: str,
+                      closing: str = "") -> int | None:
     """Where assistant turn ``index`` ends inside ``text`` when the template renders it
     differently as a past turn: the end of the first end-of-turn marker after ``prompt``.
 
@@ -451,9 +457,39 @@ def _history_turn_end(tokenizer: Any, messages: Messages, index: int, prompt: st
     probe = _render(tokenizer, [*messages[:index], {"role": "assistant", "content": _SENTINEL}],
                     add_generation_prompt=False)
     at = probe.find(_SENTINEL, len(prompt)) if probe.startswith(prompt) else -1
-    marker = probe[at + len(_SENTINEL):].rstrip() if at >= 0 else ""
+    marker = _without_closing(probe, closing)[at + len(_SENTINEL):].rstrip() if at >= 0 else ""
     found = text.find(marker, len(prompt)) if marker else -1
     return None if found < 0 else found + len(marker)
+
+
+@functools.lru_cache(maxsize=8)
+def _conversation_closing(tokenizer: Any, template: str) -> str:
+    """What the chat template writes after a conversation's last message only, or "" (``template`` keys the
+    cache: the same tokenizer may be given another template).
+
+    Phi-3's writes an EOS token there: a reply rendered as the last message then ends with it, although
+    decoding stops at the turn's own marker before it. Found by rendering a user turn and a reply, and the same
+    with a user turn more: the first rendering's text past what both share, from the start of the token in
+    which they part. It is "" unless the two share a whole token after the reply (the turn's marker): where
+    they part before (a template that rewrites past replies) or right at its end (one that ends a reply
+    differently when more follows), what follows the reply is the turn's, not a closing.
+    """
+    reply = [{"role": "user", "content": "SpecforgeQuestion"}, {"role": "assistant", "content": _SENTINEL}]
+    alone = _render(tokenizer, reply, add_generation_prompt=False)
+    more = _render(tokenizer, [*reply, {"role": "user", "content": "SpecforgeFollowUp"}], add_generation_prompt=False)
+    shared = len(os.path.commonprefix([alone, more]))
+    reply_end = alone.find(_SENTINEL) + len(_SENTINEL)
+    if shared == len(alone) or reply_end < len(_SENTINEL) or shared <= reply_end:
+        return ""
+    offsets = tokenizer(alone, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    start = next((first for first, end in offsets if first <= shared < end), shared)
+    # a whole token at least (the turn's own marker) is shared after the reply; else the renderings part in how
+    # they end the reply itself, which is not a closing
+    return alone[start:] if start > reply_end else ""
+
+
+def _without_closing(rendering: str, closing: str) -> str:
+    return rendering[:-len(closing)] if closing and rendering.endswith(closing) else rendering
 
 
 def _render(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool) -> str:
