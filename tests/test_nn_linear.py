@@ -319,3 +319,15 @@ def test_a_frozen_head_is_packed_in_a_process_group_of_one_rank_and_not_of_sever
         assert not frozen_head(head, torch.float32).packed  # FSDP2 gathers the head into storage it reuses
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_product_accumulates_a_product_in_place(dtype):
+    """float32: one GEMM into the accumulator (addmm_); a half-precision product is added to a float32 one."""
+    torch.manual_seed(0)
+    out = torch.randn(40, 6)
+    a, b = torch.randn(40, 9).to(dtype), torch.randn(9, 6).to(dtype)
+    want = out + (a @ b).float()
+    got = sf_nn.add_product_(out, a, b)
+    assert got is out and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-6)

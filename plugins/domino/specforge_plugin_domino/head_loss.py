@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from specforge_core.nn import frozen_head, mm_wide, upcasts
+from specforge_core.nn import add_product_, frozen_head, mm_wide, upcasts
 from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms, to_logit_gradient
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class _DualHead(torch.autograd.Function):
                 if grad_a is not None:
                     grad_a[samples, part] = (d_final_g @ w2_g).view(*suffix_shape, rank)
                 if grad_w2 is not None:
-                    grad_w2 += d_final_g.t() @ a
+                    add_product_(grad_w2, d_final_g.t(), a)
             base = final = d_base = d_final = d_final_g = None  # a tile's logits go before the next tile's are made
         ctx.save_for_backward(grad_h, grad_a, None if grad_w2 is None else grad_w2.to(w2.dtype))
         ctx.mark_non_differentiable(sums, base_predictions, predictions)

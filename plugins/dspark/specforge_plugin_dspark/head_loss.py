@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from specforge_core.nn import frozen_head, mm_wide, upcasts
+from specforge_core.nn import add_product_, frozen_head, mm_wide, upcasts
 from specforge_plugin_dflash.loss import block_tiles, softmax_cross_entropy_terms
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class _Distillation(torch.autograd.Function):
                 if grad_e is not None:
                     grad_e[samples, part] = (dz_g @ w2_g).view(*tile, rank)
                 if grad_w2 is not None:
-                    grad_w2 += dz_g.t() @ e
+                    add_product_(grad_w2, dz_g.t(), e)
             z = p = teacher = sign = dz = dz_g = None  # a tile's logits go before the next tile's are made
         sums = torch.stack([(w * ce).sum(), (w * l1).sum()])
         accept = (1.0 - l1 / 2).clamp(0.0, 1.0)
