@@ -189,7 +189,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
         deepest = torch.minimum(deepest, depth)
     reach = deepest.reshape(-1)[teacher_rows].clamp(max=steps - 1)
     teacher_rows = teacher_rows[torch.argsort(reach, descending=True, stable=True)]
-    # n_k = #(rows at t >= k) for each step, from the row count per reach: a second host sync
+    # n_k = #(rows reaching step k) for each step, from the row count per reach: a second host sync
     live = torch.bincount(reach, minlength=steps).flip(0).cumsum(0).flip(0).tolist()
     # every step scores against the same teacher rows: gathered once, read by each step without a copy
     p_rows, wanted = p_t.reshape(b * s, -1).index_select(0, teacher_rows), target_ids.reshape(-1)[teacher_rows]
