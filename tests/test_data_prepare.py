@@ -149,6 +149,10 @@ def test_a_cut_reply_keeps_its_trailing_whitespace_and_its_reasoning(chatml):
     # whitespace the target generated before the cut is its output; a cut inside the reasoning block keeps it all
     ids, mask = tokenize_messages(chatml, [TWO_TURNS[0], {"role": "assistant", "content": "hello there\n", **CUT}])
     assert supervised_segments(chatml, ids, mask) == ["hello there\n"]
+    # a template that trims replies: the reply as it renders, up to its last word
+    trims = chatml_tokenizer(CHATML_TEMPLATE.replace("message['content']", "message['content'] | trim"))
+    ids, mask = tokenize_messages(trims, [TWO_TURNS[0], {"role": "assistant", "content": "  hello there ", **CUT}])
+    assert supervised_segments(trims, ids, mask) == ["hello there"]
     tok = chatml_tokenizer(REASONING_TEMPLATE)
     ids, mask = tokenize_messages(tok, [TWO_TURNS[0], {"role": "assistant", "content": "<think>\nok b", **CUT}])
     # (this template writes an empty reasoning block before a reply without one: it is in the turn as rendered)

@@ -408,13 +408,11 @@ def _cut_reply_span(text: str, span: tuple[int, int], content: str) -> tuple[int
     would have gone on), so a draft trained on it would learn to end replies at arbitrary lengths.
     """
     answer = content.rsplit("</think>", 1)[-1]
-    kept = answer.rstrip()
-    if not kept:
+    tail = answer.strip()[-24:]  # as _require_reply_inside looks for it: found inside the span
+    if not tail:
         return span[0], span[0]
-    tail = kept[-24:]
-    at = text.rfind(tail, span[0], span[1])  # found: _require_reply_inside has checked
-    end = at + len(tail)
-    trailing = answer[len(kept):]  # whitespace the target generated before the cut, where the template keeps it
+    end = text.rfind(tail, span[0], span[1]) + len(tail)
+    trailing = answer[len(answer.rstrip()):]  # whitespace the target generated before the cut, where kept
     if trailing and text.startswith(trailing, end) and end + len(trailing) <= span[1]:
         end += len(trailing)
     return span[0], end
