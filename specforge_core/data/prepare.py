@@ -240,10 +240,7 @@ def _prompt_messages(obj: dict[str, Any]) -> Messages:
         if not isinstance(value, str):
             raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE}: '{key}' must be a string, not {_json_kind(value)}")
         messages.append({"role": role, "content": value})
-    finish = obj.get("finish_reason")
-    if finish is not None and not isinstance(finish, str):
-        raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE}: 'finish_reason' must be a string, not {_json_kind(finish)}")
-    _with_finish_reason(messages[-1], finish)
+    _with_finish_reason(messages[-1], obj.get("finish_reason"), BAD_MESSAGE)
     return messages
 
 
@@ -263,17 +260,16 @@ def _normalize_message(index: int, item: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE} {index}: '{content_key}' must be a string, "
                                        f"not {_json_kind(content)}")
-    message = {"role": _ROLES[role], "content": content}
-    finish = item.get("finish_reason")
-    if finish is not None and not isinstance(finish, str):
-        raise BadRowError(BAD_MESSAGE, f"{BAD_MESSAGE} {index}: 'finish_reason' must be a string, "
-                                       f"not {_json_kind(finish)}")
-    return _with_finish_reason(message, finish)
+    return _with_finish_reason({"role": _ROLES[role], "content": content}, item.get("finish_reason"),
+                               f"{BAD_MESSAGE} {index}")
 
 
-def _with_finish_reason(message: dict[str, str], finish: str | None) -> dict[str, str]:
+def _with_finish_reason(message: dict[str, str], finish: Any, where: str) -> dict[str, str]:
     """``message``, marked as a reply cut at the token budget when ``finish`` is ``"length"`` (see
-    :data:`CUT_AT_LENGTH`); other finish reasons say the reply ended as the target ended it."""
+    :data:`CUT_AT_LENGTH`); other finish reasons say the reply ended as the target ended it. A ``finish`` that is
+    neither None nor a string is a bad message (``where`` starts the error's text)."""
+    if finish is not None and not isinstance(finish, str):
+        raise BadRowError(BAD_MESSAGE, f"{where}: 'finish_reason' must be a string, not {_json_kind(finish)}")
     if finish == CUT_AT_LENGTH and message["role"] == "assistant":
         message["finish_reason"] = CUT_AT_LENGTH
     return message
@@ -386,6 +382,17 @@ def _render_with_spans(tokenizer: Any, messages: Sequence[dict[str, str]],
     return text, spans
 
 
+def _answer(content: str) -> str:
+    """A reply's answer: its text after a reasoning block (``<think>...</think>``), which templates may drop."""
+    return content.rsplit("</think>", 1)[-1]
+
+
+def _reply_tail(content: str) -> str:
+    """The last words of a reply's answer, by which its turn is found in a rendering (whitespace stripped, as
+    templates may trim it)."""
+    return _answer(content).strip()[-24:]
+
+
 def _require_reply_inside(turn: str, content: str, index: int) -> None:
     """Refuse a turn whose supervised text does not end with the reply's own last words.
 
@@ -393,7 +400,7 @@ def _require_reply_inside(turn: str, content: str, index: int) -> None:
     template's words under the reply's mask. Only the tail of the reply's answer is compared:
     templates may legitimately drop a reasoning block (``<think>...</think>``) or trim whitespace.
     """
-    tail = content.rsplit("</think>", 1)[-1].strip()[-24:]
+    tail = _reply_tail(content)
     if tail and tail not in turn:
         raise ChatTemplateError(
             f"the chat template's rendering of assistant message {index} does not contain the end of its content "
@@ -407,8 +414,7 @@ def _cut_reply_span(text: str, span: tuple[int, int], content: str) -> tuple[int
     The end-of-turn marker the template writes after a cut reply is not what the target produced there (it
     would have gone on), so a draft trained on it would learn to end replies at arbitrary lengths.
     """
-    answer = content.rsplit("</think>", 1)[-1]
-    tail = answer.strip()[-24:]  # as _require_reply_inside looks for it: found inside the span
+    answer, tail = _answer(content), _reply_tail(content)  # the tail: found inside the span (_require_reply_inside)
     if not tail:
         return span[0], span[0]
     end = text.rfind(tail, span[0], span[1]) + len(tail)
@@ -424,7 +430,7 @@ def _require_turn_before_next(text: str, span: tuple[int, int], messages: Messag
     final message only, as Phi-3's does), and the span would supervise the next user turn."""
     if index + 1 >= len(messages):
         return
-    tail = messages[index]["content"].rsplit("</think>", 1)[-1].strip()[-24:]
+    tail = _reply_tail(messages[index]["content"])
     at_tail = text.find(tail, span[0]) if tail else -1
     after = at_tail + len(tail) if at_tail >= 0 else span[0]
     following = messages[index + 1]["content"].strip()

@@ -399,7 +399,7 @@ class HFVerifySession:
     """
 
     def __init__(self, engine: HFTargetEngine, prompt_ids: Any, plan: CapturePlan) -> None:
-        from transformers import DynamicCache
+        from transformers import DynamicCache, cache_utils
 
         self._engine = engine
         self._plan = plan
@@ -410,10 +410,12 @@ class HFVerifySession:
         # to their window again. Linear-attention layers are left as they are: rolled back that way their
         # recurrent state keeps the rejected tokens (logits off by 1e-2 on a tiny Qwen3-Next), so their
         # truncate raises instead.
-        kinds = [type(layer).__name__ for layer in self._cache.layers]
-        self._linear = any("LinearAttention" in kind for kind in kinds)
-        self._rollback = (hasattr(self._cache, "activate_past_recording") and "DynamicSlidingWindowLayer" in kinds
-                          and not self._linear)
+        # (a transformers release without a kind of layer has no layer of that kind: the empty tuple matches none)
+        linear, sliding = (getattr(cache_utils, name, ()) for name in ("LinearAttentionCacheLayerMixin",
+                                                                       "DynamicSlidingWindowLayer"))
+        self._linear = any(isinstance(layer, linear) for layer in self._cache.layers)
+        self._rollback = (not self._linear and hasattr(self._cache, "activate_past_recording")
+                          and any(isinstance(layer, sliding) for layer in self._cache.layers))
         if self._rollback:
             self._cache.activate_past_recording()
         self.length = 0
