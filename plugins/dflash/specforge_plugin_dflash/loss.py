@@ -98,6 +98,12 @@ def softmax_cross_entropy_terms(z: torch.Tensor, label: torch.Tensor) -> tuple[t
     return lse - picked, predictions
 
 
+def minus_onehot_(z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """``softmax - onehot(label)``, the gradient of the cross-entropy for the logits, in ``z``'s buffer, which
+    :func:`softmax_cross_entropy_terms` left holding the softmax (one entry per row changes)."""
+    return z.scatter_add_(-1, label, torch.full(label.shape, -1.0, dtype=z.dtype, device=z.device))
+
+
 def to_logit_gradient(z: torch.Tensor, label: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``w (softmax - onehot(label))``, the gradient of ``Σ w·CE`` for the logits, in ``z``'s buffer, which
     :func:`softmax_cross_entropy_terms` left holding the softmax; ``w [R]`` per row."""
@@ -168,11 +174,14 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             w = weights[samples, part] if weighting is None else weighting.reweight(ce, weights[samples, part])
             total += (w * ce).sum()
             predictions[samples, part] = ids.view(ce.shape)
-            if grads:  # dz = w (softmax - onehot), in place; the input gradient dz W, while the tile is in cache
-                dz = to_logit_gradient(z, label, w.reshape(-1).to(acc))
-                if low is not None:
-                    dz = low.copy_(dz)
-                grad_hidden[samples, part] = frozen.input_grad(dz).view(grad_hidden[samples, part].shape)
+            if grads:  # dz = softmax - onehot in place, then w dz W: the row weights scale the [R, H] product
+                # (one pass over the tile fewer), or, converted to the GEMMs' dtype, dz itself in that same pass
+                dz, row_w = minus_onehot_(z, label), w.reshape(-1, 1).to(acc)
+                target = grad_hidden[samples, part]
+                if low is None:
+                    torch.mul(frozen.input_grad(dz).view(target.shape), row_w.view(*target.shape[:-1], 1), out=target)
+                else:
+                    target.copy_(frozen.input_grad(torch.mul(dz, row_w, out=low)).view(target.shape))
             z = dz = low = None  # a tile's own logits (oneDNN's) go before the next tile's are made
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
