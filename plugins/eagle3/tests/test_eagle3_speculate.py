@@ -52,7 +52,7 @@ class LlamaSession:
 
     @torch.no_grad()
     def extend(self, ids):
-        out = self.model(input_ids=ids[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        out = self.model(input_ids=ids[None], cache=self.cache, use_cache=True, output_hidden_states=True)
         self.length += len(ids)
         self.forwards += 1
         states = out.hidden_states

@@ -80,6 +80,7 @@ class HFTargetEngine:
         self._config = self._model.config.get_text_config()
         self._num_layers = int(self._config.num_hidden_layers)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
+        self._cache_keyword = _cache_keyword(self._model)
         if self._toy_manifest is not None:
             self.model_id = f"specforge/toy-target-{self._toy_manifest['variant']}@{self._toy_manifest['recipe_digest']}"
         else:
@@ -137,6 +138,11 @@ class HFTargetEngine:
     def model(self) -> Any:
         """The underlying transformers model (frozen, in eval mode)."""
         return self._model
+
+    def cache_argument(self, cache: Any) -> dict[str, Any]:
+        """``{keyword: cache}`` for a forward of :attr:`model` over a KV cache, under the keyword its transformers
+        release takes (``cache``, or ``past_key_values`` before that rename)."""
+        return {self._cache_keyword: cache}
 
     def frozen_parts(self) -> dict[str, torch.Tensor]:
         """``embed_tokens [V, H]``, ``lm_head [V, H]`` and final ``norm [H]`` weights, detached.
@@ -406,10 +412,12 @@ class HFVerifySession:
         self._layers = engine._check_plan(plan)
         self._cache = DynamicCache(config=engine.model.config)
         # Sliding-window layers (Mistral, Gemma 2/3) keep only their window, so a rejected draft could not be taken
-        # back out of them; recording their past lets truncate roll them back, each truncate then restricting them
-        # to their window again. Linear-attention layers are left as they are: rolled back that way their
-        # recurrent state keeps the rejected tokens (logits off by 1e-2 on a tiny Qwen3-Next), so their
-        # truncate raises instead.
+        # back out of them; recording their past lets truncate roll them back. Each extend first restricts them
+        # to their window again (so a session that only extends, as the timed greedy reference does, holds a
+        # window, not its whole past), which leaves truncate the positions of the last extend to roll back;
+        # one reaching further back rebuilds the cache from the token ids it holds (:meth:`_rebuild`).
+        # Linear-attention layers are left as they are: rolled back that way their recurrent state keeps the
+        # rejected tokens (logits off by 1e-2 on a tiny Qwen3-Next), so their truncate raises instead.
         # (a transformers release without a kind of layer has no layer of that kind: the empty tuple matches none)
         linear, sliding = (getattr(cache_utils, name, ()) for name in ("LinearAttentionCacheLayerMixin",
                                                                        "DynamicSlidingWindowLayer"))
@@ -418,16 +426,24 @@ class HFVerifySession:
                           and any(isinstance(layer, sliding) for layer in self._cache.layers))
         if self._rollback:
             self._cache.activate_past_recording()
+        # with rollback: the cached token ids, and the least length a truncate reaches from what is recorded
+        self._ids: list[int] = []
+        self._floor = 0
         self.length = 0
         self.prefill: dict[str, torch.Tensor] | None = None if prompt_ids is None else self.extend(prompt_ids)
 
     @torch.no_grad()
     def extend(self, ids: Any) -> dict[str, torch.Tensor]:
         ids = self._engine._input_ids(ids, "session.extend")
+        if self._rollback and self.length:
+            self._cache.crop(0)  # windowed layers back to their window (full layers keep everything)
+            self._floor = self.length
         # position ids and the causal mask follow from the cache length
         with self._engine._recording(self._plan, self._layers) as outputs:
-            out = self._engine.model(input_ids=ids[None], past_key_values=self._cache, use_cache=True)
+            out = self._engine.model(input_ids=ids[None], use_cache=True, **self._engine.cache_argument(self._cache))
         self.length += len(ids)
+        if self._rollback:
+            self._ids.extend(ids.tolist())
         result = {"logits": out.logits[0]}
         result.update(self._engine._features(outputs, 0, len(ids), self._plan, self._layers))
         return result
@@ -436,7 +452,9 @@ class HFVerifySession:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
             raise TargetEngineError(f"session.truncate({length!r}): length must be an integer in 0..{self.length} "
                                     "(the number of cached positions)")
-        if length < self.length or self._rollback:
+        if self._rollback and length < self._floor:
+            self._rebuild(length)
+        elif length < self.length or self._rollback:
             try:
                 self._cache.crop(length - self.length)  # a negative count removes that many positions
             except RuntimeError as exc:
@@ -444,9 +462,40 @@ class HFVerifySession:
                        "tokens, so speculative decoding cannot verify drafts on it" if self._linear else str(exc))
                 raise TargetEngineError(f"this target's cache cannot roll back: {why}") from exc
             self.length = length
+            if self._rollback:  # windowed layers now hold the window before `length`, and no more
+                self._floor = length
+                del self._ids[length:]
+
+    @torch.no_grad()
+    def _rebuild(self, length: int) -> None:
+        """The cache of the first ``length`` tokens, made again by one forward over them: a truncate to before
+        the last extend, whose windowed layers no longer hold what that position saw (speculative decoding
+        truncates within the last extend and never comes here)."""
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=self._engine.model.config)
+        self._cache.activate_past_recording()
+        del self._ids[length:]
+        if length:
+            ids = torch.tensor(self._ids, dtype=torch.long, device=self._engine.device)
+            self._engine.model(input_ids=ids[None], use_cache=True, logits_to_keep=1,
+                               **self._engine.cache_argument(self._cache))
+        self.length, self._floor = length, 0
 
 
 # -- loading ----------------------------------------------------------------------------------
+
+
+def _cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` in the transformers releases that renamed
+    it (``past_key_values`` is deprecated there, to go in 5.40), ``past_key_values`` before them."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _resolve_device(device: str) -> torch.device:

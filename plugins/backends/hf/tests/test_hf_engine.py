@@ -481,6 +481,41 @@ def test_a_sliding_window_targets_session_rolls_back_rejected_drafts_past_its_wi
     assert position == 41 and session.length == 41  # far past the window of 6
 
 
+@pytest.mark.parametrize("architecture", ["mistral", "gemma3"])
+def test_a_sliding_window_session_that_only_extends_holds_a_window_and_still_truncates_anywhere(tmp_path,
+                                                                                              architecture):
+    """A session that only extends (the timed greedy reference does) holds its windowed layers' window, not
+    their whole past; a truncate to before the last extend, or a second truncate reaching further back than
+    the first, rebuilds what those layers need: every output equals one forward over the text."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    engine = make_engine(save_sliding_window_target(tmp_path / architecture, architecture))
+    plan = CapturePlan(layer_ids=(0, 2), hidden_feature="target_hidden")
+    text = torch.randint(4, 64, (40,), generator=torch.Generator().manual_seed(2))
+    reference = engine.session(text, plan).prefill
+
+    def extend_and_check(start: int, end: int) -> None:
+        out = session.extend(text[start:end])
+        for name in ("logits", "target_hidden"):
+            torch.testing.assert_close(out[name], reference[name][start:end], atol=1e-5, rtol=0)
+
+    session = engine.session(text[:10], plan)
+    for position in range(10, 30):
+        extend_and_check(position, position + 1)
+    windowed = [layer for layer in session._cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    assert windowed and [layer.keys.shape[-2] for layer in windowed] == [6] * len(windowed)  # window 6: 5 and 1
+    session.truncate(24)  # six extends back
+    assert session.length == 24
+    extend_and_check(24, 28)
+    session.truncate(27)
+    session.truncate(25)  # behind the first truncate, which left the windowed layers their window only
+    assert session.length == 25
+    extend_and_check(25, 33)
+    session.truncate(0)
+    extend_and_check(0, 12)
+    assert session.length == 12
+
+
 def test_a_linear_attention_target_refuses_to_roll_back_naming_why(tmp_path):
     """A linear-attention layer's recurrent state cannot give back the tokens it took in: the first truncate of a
     rejected draft is refused, and the session stays as it was."""
@@ -493,3 +528,20 @@ def test_a_linear_attention_target_refuses_to_roll_back_naming_why(tmp_path):
                                                 "tokens"):
         session.truncate(11)
     assert session.length == 13
+
+
+def test_a_forward_gets_its_cache_under_the_keyword_its_transformers_release_takes():
+    """``cache`` where the forward takes it (the releases that renamed ``past_key_values``, which warns there),
+    ``past_key_values`` for a forward from before the rename."""
+    import transformers
+
+    from specforge_plugin_hf.engine import _cache_keyword
+
+    class BeforeTheRename(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+    assert _cache_keyword(llama) == "cache"
+    assert _cache_keyword(BeforeTheRename()) == "past_key_values"
