@@ -12,7 +12,8 @@ Layer-id numbering, in one place: our id ``i`` = output of decoder layer ``i`` =
 state entering layer ``i + 1``. SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` and
 ``dflash_config.target_layer_ids`` take ``i`` (SGLang adds 1); vLLM's top-level
 ``eagle_aux_hidden_state_layer_ids`` and speculators' aux ids take ``i + 1``. Both engines
-capture layer *inputs*, so ``i + 1`` must name a layer: ``i <= L - 2``.
+capture layer *inputs* (vLLM 0.33 also the last layer's output; SGLang and earlier vLLM releases do not),
+so ``i + 1`` must name a layer: ``i <= L - 2``.
 """
 
 import copy
@@ -150,8 +151,9 @@ def test_eagle3_speculators_layout_is_what_vllms_speculators_loader_reads(tmp_pa
     strategy.export(model, str(tmp_path), info, fmt="speculators")
     config, tensors = read(tmp_path)
     eagle3_tensor_rules(tensors, "layers.0")  # speculators names the decoder layer layers.0
-    # vLLM's SpeculatorsConfig: these fields must exist, or it refuses the checkpoint
-    assert config["speculators_model_type"] == "eagle3"
+    # vLLM's SpeculatorsConfig: these fields must exist, or it refuses the checkpoint; and vLLM takes a folder
+    # down the speculators path only when its config has no top-level model_type
+    assert config["speculators_model_type"] == "eagle3" and "model_type" not in config
     methods = config["speculators_config"]["proposal_methods"]
     assert methods[0]["proposal_type"] == "greedy" and methods[0]["speculative_tokens"] == 3
     assert config["speculators_config"]["default_proposal_method"] == "greedy"
@@ -164,6 +166,25 @@ def test_eagle3_speculators_layout_is_what_vllms_speculators_loader_reads(tmp_pa
     assert config["norm_before_residual"] is False
     assert config["draft_vocab_size"] == VD and config["target_hidden_size"] == H
     assert_servable_ids([0, 2, 4], config["eagle_aux_hidden_state_layer_ids"])
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
+def test_a_full_vocabulary_eagle3_draft_ships_no_vocabulary_maps(tmp_path, fmt):
+    """vLLM's Eagle3LlamaForCausalLM makes its draft_id_to_target_id parameter only when draft_vocab_size differs
+    from the target's vocabulary, and its weight loader refuses a d2t it then has nowhere to put; SGLang, given
+    no d2t, drafts over the target's ids as they are. So a draft over the whole vocabulary ships neither map, in
+    every format, and reads back with the identity."""
+    info, frozen = target()
+    strategy = Eagle3Strategy(Eagle3Options(ttt_length=3, draft_vocab_size=V), BuildContext())
+    model = perturbed(strategy.build_model(info, frozen, DataStats(token_counts=torch.arange(V).flip(0))))
+    strategy.export(model, str(tmp_path), info, fmt=fmt)
+    config, tensors = read(tmp_path)
+    layer = config.get("transformer_layer_config", config)
+    assert config["draft_vocab_size"] == layer["vocab_size"] == V
+    assert "d2t" not in tensors and "t2d" not in tensors and tuple(tensors["lm_head.weight"].shape) == (V, H)
+    reloaded = strategy.load_export(str(tmp_path), info, frozen)
+    assert torch.equal(reloaded.d2t, torch.zeros(V, dtype=torch.long)) and bool(reloaded.t2d.all())
+    torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], as_served(model).state_dict()["lm_head.weight"])
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
@@ -217,7 +238,8 @@ def test_dflash_folder_serves_in_sglang_and_vllm(tmp_path, fmt):
     assert dflash_tensor_rules(tensors) == set()
     assert config["architectures"] == ["DFlashDraftModel"] and config["torch_dtype"] == SERVED_DTYPE
     section = config["dflash_config"]
-    # SGLang checks ids against num_target_layers, falling back to the DRAFT's depth when it is absent
+    # SGLang releases check ids against num_target_layers, some falling back to the DRAFT's depth when it is
+    # absent (newer ones to max(target_layer_ids) + 1)
     assert section["num_target_layers"] == L and config["num_target_layers"] == L
     assert section["block_size"] == 4 and config["num_hidden_layers"] == 2
     assert isinstance(section["mask_token_id"], int) and 0 <= section["mask_token_id"] < V
@@ -233,13 +255,14 @@ def test_dflash_speculators_layout_is_what_vllms_speculators_loader_reads(tmp_pa
     strategy.export(model, str(tmp_path), info, fmt="speculators")
     config, tensors = read(tmp_path)
     assert dflash_tensor_rules(tensors) == set()
-    assert config["speculators_model_type"] == "dflash"
+    assert config["speculators_model_type"] == "dflash" and "model_type" not in config
     # the drafted positions of a block are the proposal length
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny-target"
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["vocab_size"] == V
-    # update_dflash requires these two; aux ids are vLLM's numbering, target_layer_ids = aux - 1
+    # update_dflash requires mask_token_id and the aux ids (vLLM's numbering, target_layer_ids = aux - 1);
+    # block_size is the speculators library's (default 8 without it)
     assert isinstance(config["mask_token_id"], int) and config["block_size"] == 4
     assert_servable_ids([1, 2, 3], config["aux_hidden_state_layer_ids"])
     assert config["sample_from_anchor"] is False and config["draft_vocab_size"] == V

@@ -189,8 +189,9 @@ class DFlashConfig:
 
         ``block_size``, ``num_target_layers`` and ``target_layer_ids`` appear both at the top
         level (older loaders) and in ``dflash_config`` (current SGLang reads both places);
-        ``num_target_layers`` is needed because SGLang checks the layer ids against it and
-        falls back to the *draft's* depth without it.
+        ``num_target_layers`` is written because SGLang releases have checked the layer ids against it,
+        falling back to the *draft's* depth without it (newer ones fall back to ``max(target_layer_ids) + 1``
+        and check the ids against the running target at load).
         """
         return {
             "architectures": ["DFlashDraftModel"],

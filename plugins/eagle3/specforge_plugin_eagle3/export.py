@@ -3,7 +3,8 @@
 Format ``sglang`` (``vllm`` writes the same folder)::
 
     model.safetensors   the keys of :data:`EXPORT_KEYS` (no embedding: the engines share the
-                        target's), floating-point weights in the export dtype; d2t int64, t2d bool
+                        target's), floating-point weights in the export dtype; d2t int64, t2d bool,
+                        for a pruned draft vocabulary only (:data:`VOCAB_MAPS`)
     config.json         architectures ["LlamaForCausalLMEagle3"], Llama fields, draft_vocab_size,
                         torch_dtype and dtype, eagle_config.eagle_aux_hidden_state_layer_ids (our
                         numbering), eagle_aux_hidden_state_layer_ids (vLLM's, our id + 1),
@@ -80,6 +81,12 @@ EXPORT_KEYS = (
     "d2t",
     "t2d",
 )
+
+
+#: The draft -> target vocabulary maps, written only for a pruned draft vocabulary: vLLM's Eagle3LlamaForCausalLM
+#: has a parameter to load ``d2t`` into only then, and refuses a folder that ships one without it; SGLang, given
+#: none, drafts over the target's own ids. :func:`load_draft` restores the identity.
+VOCAB_MAPS = ("d2t", "t2d")
 
 
 class Eagle3ExportError(ExportError):
@@ -187,7 +194,8 @@ def export_draft(model: Eagle3Draft, out_dir: str | os.PathLike[str], target: Ta
     config = hf_config(model.config, target)
     config["torch_dtype"] = config["dtype"] = dtype_name(state["fc.weight"].dtype)
     config.update(strategy_fields(STRATEGY, options))
-    tensors = {k: state[k] for k in EXPORT_KEYS}
+    pruned = config["draft_vocab_size"] != config["vocab_size"]
+    tensors = {k: state[k] for k in EXPORT_KEYS if pruned or k not in VOCAB_MAPS}
     if fmt == "speculators":
         depth = (getattr(options, "spec_depth", None) or getattr(options, "ttt_length", None)
                  or Eagle3Options().ttt_length)
@@ -207,10 +215,8 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 
 def to_speculators(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], speculative_tokens: int,
                    target: TargetInfo | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A native export's ``(config, tensors)`` in vLLM's speculators layout (what the speculators library writes).
-
-    ``d2t`` / ``t2d`` are kept only when the draft vocabulary is pruned, as speculators does.
-    """
+    """A native export's ``(config, tensors)`` in vLLM's speculators layout (what the speculators library writes;
+    like it, and like a native export, ``d2t`` / ``t2d`` only for a pruned draft vocabulary)."""
     out = {key: value for key, value in config.items() if key.startswith("specforge_")}
     out.update({
         "architectures": [SPECULATORS_ARCHITECTURE],
@@ -223,10 +229,7 @@ def to_speculators(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor
         **{flag: False for flag in VARIANT_FLAGS},
         "torch_dtype": config["torch_dtype"], "dtype": config["dtype"],
     })
-    pruned = config["draft_vocab_size"] != config["vocab_size"]
-    renamed = {key.replace("midlayer.", "layers.0.", 1): tensor for key, tensor in tensors.items()
-               if pruned or key not in ("d2t", "t2d")}
-    return out, renamed
+    return out, {key.replace("midlayer.", "layers.0.", 1): tensor for key, tensor in tensors.items()}
 
 
 def from_speculators(data: ExportConfig) -> ExportConfig:

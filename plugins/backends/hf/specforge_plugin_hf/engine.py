@@ -104,7 +104,7 @@ class HFTargetEngine:
             "tie_word_embeddings": getattr(self._model.config, "tie_word_embeddings", None),
             "rope_theta": rope_theta({"rope_theta": getattr(config, "rope_theta", None),
                                       "rope_parameters": getattr(config, "rope_parameters", None)}),
-            "mask_token_id": getattr(self._tokenizer, "mask_token_id", None),
+            "mask_token_id": self._mask_token_id(),
             "tokenizer_size": len(self._tokenizer),
             "bos_token_id": self._tokenizer.bos_token_id,
             "eos_token_id": self._tokenizer.eos_token_id,
@@ -128,6 +128,15 @@ class HFTargetEngine:
             chat_template=self._tokenizer.chat_template,
             extra=_json_safe(extra),
         )
+
+    def _mask_token_id(self) -> int | None:
+        """The id DFlash-family drafts take as their mask token by default: :data:`SGLANG_DFLASH_MASK_TOKEN`'s where
+        the vocabulary holds it within the model's, else the tokenizer's own mask token's (None without one)."""
+        found = self._tokenizer.get_vocab().get(SGLANG_DFLASH_MASK_TOKEN)
+        if found is not None and 0 <= int(found) < self._vocab_size:
+            return int(found)
+        own = getattr(self._tokenizer, "mask_token_id", None)
+        return None if own is None else int(own)
 
     @property
     def tokenizer(self) -> Any:
@@ -481,6 +490,11 @@ class HFVerifySession:
             self._engine.model(input_ids=ids[None], use_cache=True, logits_to_keep=1,
                                **self._engine.cache_argument(self._cache))
         self.length, self._floor = length, 0
+
+
+#: The mask token SGLang's DFlash runtime assumes when a draft's config names none: it refuses a draft whose
+#: ``mask_token_id`` is not that token's id where the target's vocabulary holds it.
+SGLANG_DFLASH_MASK_TOKEN = "<|MASK|>"
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -545,3 +545,28 @@ def test_a_forward_gets_its_cache_under_the_keyword_its_transformers_release_tak
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
     assert _cache_keyword(llama) == "cache"
     assert _cache_keyword(BeforeTheRename()) == "past_key_values"
+
+
+@pytest.mark.parametrize("extra_words, mask_token, want", [
+    (["<|MASK|>", "<mask>"], "<mask>", "<|MASK|>"),  # SGLang's DFlash default wins where the vocabulary has it
+    (["<mask>"], "<mask>", "<mask>"),  # else the tokenizer's own mask token
+    ([], None, None),  # neither: the DFlash strategy picks a free id itself
+])
+def test_the_default_mask_token_is_the_one_sglangs_dflash_runtime_assumes(tmp_path, extra_words, mask_token, want):
+    """SGLang's DFlash runtime takes ``<|MASK|>`` as a draft's mask token when the draft's config names none, and
+    refuses a draft whose mask_token_id is not that token's id in the target's vocabulary: the engine reports that
+    id where the vocabulary holds the token, even over a mask token the tokenizer registers otherwise."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<unk>", "<eos>"] + [f"w{i}" for i in range(20)] + extra_words
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                         eos_token="<eos>", mask_token=mask_token).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        pad_token_id=0, eos_token_id=2)).save_pretrained(tmp_path)
+    extra = make_engine(tmp_path).info().extra
+    assert extra["mask_token_id"] == (None if want is None else words.index(want))
