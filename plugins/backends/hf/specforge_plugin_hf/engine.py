@@ -81,6 +81,7 @@ class HFTargetEngine:
         self._num_layers = int(self._config.num_hidden_layers)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
         self._cache_keyword = _cache_keyword(self._model)
+        self._mask_token_id = self._default_mask_token_id()
         if self._toy_manifest is not None:
             self.model_id = f"specforge/toy-target-{self._toy_manifest['variant']}@{self._toy_manifest['recipe_digest']}"
         else:
@@ -104,7 +105,7 @@ class HFTargetEngine:
             "tie_word_embeddings": getattr(self._model.config, "tie_word_embeddings", None),
             "rope_theta": rope_theta({"rope_theta": getattr(config, "rope_theta", None),
                                       "rope_parameters": getattr(config, "rope_parameters", None)}),
-            "mask_token_id": self._mask_token_id(),
+            "mask_token_id": self._mask_token_id,
             "tokenizer_size": len(self._tokenizer),
             "bos_token_id": self._tokenizer.bos_token_id,
             "eos_token_id": self._tokenizer.eos_token_id,
@@ -129,7 +130,7 @@ class HFTargetEngine:
             extra=_json_safe(extra),
         )
 
-    def _mask_token_id(self) -> int | None:
+    def _default_mask_token_id(self) -> int | None:
         """The id DFlash-family drafts take as their mask token by default: :data:`SGLANG_DFLASH_MASK_TOKEN`'s where
         the vocabulary holds it within the model's, else the tokenizer's own mask token's (None without one)."""
         found = self._tokenizer.get_vocab().get(SGLANG_DFLASH_MASK_TOKEN)
