@@ -18,10 +18,12 @@ serves both (formats ``sglang`` and ``vllm``). The directory is DFlash's with fo
 and ``config.json`` is DFlash's (``block_size`` = SGLang's gamma, ``dflash_config`` with the mask
 token and target layers) with ``architectures: ["Qwen3DSparkModel"]``, ``dspark_config:
 {markov_rank, markov_head_type, mask_token_id}``, the same ``markov_rank`` / ``markov_head_type``
-at the top level (where vLLM's DSpark reader looks), ``enable_confidence_head: true``,
-``confidence_head_with_markov`` and ``specforge_strategy: "dspark"``. No
-``speculators_model_type`` is written: SGLang refuses checkpoints of that convention (slot j
-predicting anchor+j), and this one's slot k predicts anchor+k+1.
+at the top level (where vLLM's DSpark reader looks, and where SGLang builds the heads from),
+``enable_confidence_head: true``, ``confidence_head_with_markov`` and ``specforge_strategy:
+"dspark"``. Slot k predicts anchor+k+1: the convention both engines take when the folder does
+not write ``sample_from_anchor``. No ``speculators_model_type`` is written: vLLM serves this
+folder, and its speculators DSpark reader takes slot j to predict anchor+j unless a folder says
+``sample_from_anchor: true`` (vllm 0.33.0 passes that field through).
 """
 
 from __future__ import annotations
@@ -43,8 +45,7 @@ from .model import DSparkBackbone
 STRATEGY = "dspark"
 #: The class SGLang (and vLLM) register for DSpark drafts.
 ARCHITECTURE = "Qwen3DSparkModel"
-#: The formats :func:`export_dspark` writes (one folder). Not vLLM's speculators layout: its DSpark
-#: convention (slot j predicts anchor + j) is not the one this draft is trained with.
+#: The formats :func:`export_dspark` writes (one folder). Not vLLM's speculators layout: vLLM serves this one.
 FORMATS = ("sglang", "vllm")
 
 
