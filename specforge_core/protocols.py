@@ -201,7 +201,8 @@ class VerifySession(Protocol):
     returns, for those tokens only, ``logits [n, V]`` plus the plan's features (the plan's
     ``hidden_feature`` ``[n, len(layer_ids) * H]``, ``last_hidden [n, H]`` when asked);
     ``truncate(length)`` drops cached positions at and beyond ``length`` (rejected draft
-    tokens); ``length`` is the number of cached positions. ``prefill`` holds what ``extend``
+    tokens), for any ``length`` from 0 to the session's, however many extends back;
+    ``length`` is the number of cached positions. ``prefill`` holds what ``extend``
     returned for the prompt the session was opened on (None for a session opened empty), so
     a strategy's ``speculate`` takes the first token and its first context from it
     (:func:`specforge_core.speculative.prompt_outputs`).

@@ -215,6 +215,33 @@ class TargetEngineConformance:
             self._assert_close(got, want[key], self.session_atol, f"session {key}")
         assert tuple(want["logits"].shape) == (len(ids), info.vocab_size)
 
+    def test_session_truncates_behind_earlier_extends_and_earlier_truncates(self, engine: Any) -> None:
+        """``truncate(length)`` takes any length: back across several extends, twice in a row each further
+        back than the last, and to 0; what follows equals one forward over the text (an engine whose cache
+        keeps only part of the past must rebuild what it dropped, not answer from less)."""
+        info = engine.info()
+        plan = self.plan_for(info)
+        ids = self.samples_for(info, (40,))[0]["input_ids"]
+        want = engine.session(ids, plan).prefill
+
+        def check(piece: dict[str, Any], start: int, end: int, what: str) -> None:
+            for key in ("logits", "aux_hidden", "last_hidden"):
+                self._assert_close(self._cpu(piece[key]), want[key][start:end], self.session_atol, f"{what} {key}")
+
+        session = engine.session(ids[:8], plan)
+        for start in range(8, 20, 3):  # four extends of three tokens
+            session.extend(ids[start:start + 3])
+        session.truncate(11)  # back across three of them
+        assert session.length == 11
+        check(session.extend(ids[11:16]), 11, 16, "after a truncate across extends")
+        session.truncate(15)
+        session.truncate(12)  # behind the truncate before it
+        assert session.length == 12
+        check(session.extend(ids[12:30]), 12, 30, "after two truncates")
+        session.truncate(0)
+        assert session.length == 0
+        check(session.extend(ids[:10]), 0, 10, "after a truncate to 0")
+
     def test_session_features_match_capture(self, engine: Any) -> None:
         info = engine.info()
         plan = self.plan_for(info)

@@ -462,6 +462,18 @@ def save_sliding_window_target(folder: Path, architecture: str) -> Path:
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "gemma3"])
+class TestHFSlidingWindowConformance(TargetEngineConformance):
+    """The whole engine contract on sliding-window targets (window 6, samples of up to 40 tokens)."""
+
+    @pytest.fixture(autouse=True)
+    def _architecture(self, architecture: str) -> None:
+        self.architecture = architecture
+
+    def make_engine(self, tmp_path):
+        return make_engine(save_sliding_window_target(tmp_path / self.architecture, self.architecture))
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma3"])
 def test_a_sliding_window_targets_session_rolls_back_rejected_drafts_past_its_window(tmp_path, architecture):
     """Sliding-window layers keep only their window; a session records their past so a truncate can take
     rejected drafts back out, long after the window filled: every verification's logits and features equal
