@@ -415,12 +415,12 @@ class HFVerifySession:
     """
 
     def __init__(self, engine: HFTargetEngine, prompt_ids: Any, plan: CapturePlan) -> None:
-        from transformers import DynamicCache, cache_utils
+        from transformers import cache_utils
 
         self._engine = engine
         self._plan = plan
         self._layers = engine._check_plan(plan)
-        self._cache = DynamicCache(config=engine.model.config)
+        self._cache = self._new_cache()
         # Sliding-window layers (Mistral, Gemma 2/3) keep only their window, so a rejected draft could not be taken
         # back out of them; recording their past lets truncate roll them back. Each extend first restricts them
         # to their window again (so a session that only extends, as the timed greedy reference does, holds a
@@ -476,14 +476,17 @@ class HFVerifySession:
                 self._floor = length
                 del self._ids[length:]
 
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self._engine.model.config)
+
     @torch.no_grad()
     def _rebuild(self, length: int) -> None:
         """The cache of the first ``length`` tokens, made again by one forward over them: a truncate to before
         the last extend, whose windowed layers no longer hold what that position saw (speculative decoding
         truncates within the last extend and never comes here)."""
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache(config=self._engine.model.config)
+        self._cache = self._new_cache()
         self._cache.activate_past_recording()
         del self._ids[length:]
         if length:
