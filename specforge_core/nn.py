@@ -299,7 +299,8 @@ PACK_HEAD_ENV = "SPECFORGE_CPU_PACK_HEAD"
 
 
 def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :class:`FrozenHead` keeps ``weight`` in ``dtype`` packed for oneDNN: a vocabulary-wide head (at
+    """Whether :class:`FrozenHead` keeps ``weight`` in ``dtype`` packed (for oneDNN, or MKL where
+    :func:`mkl_packed_head` holds): a vocabulary-wide head (at
     least ``8 * WIDE_COLUMNS`` rows) in float32, or in bf16 on a CPU whose bf16 GEMMs run natively
     (where :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
     several ranks (there the head is FSDP2's to gather, into storage it reuses), unless :data:`PACK_HEAD_ENV`
@@ -316,17 +317,33 @@ def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
                 and torch.distributed.get_world_size() > 1)
 
 
-#: A float32 head narrower than this takes its input gradient ``dz W`` from MKL on an Intel CPU (see
-#: :class:`FrozenHead`)
+#: A float32 head narrower than this takes its input gradient ``dz W`` from MKL over the head itself on an Intel
+#: CPU (see :class:`FrozenHead`)
 PLAIN_GRAD_MAX_WIDTH = 1024
+
+
+def _intel_float32(weight: torch.Tensor) -> bool:
+    cpu = _cpu_identity()
+    return weight.dtype == torch.float32 and cpu is not None and cpu[1] == "GenuineIntel"
 
 
 def plain_head_grad(weight: torch.Tensor) -> bool:
     """Whether a packed :class:`FrozenHead` takes its input gradient from MKL over the head itself instead of a
     second packed copy: float32, narrower than :data:`PLAIN_GRAD_MAX_WIDTH`, on an Intel CPU."""
-    cpu = _cpu_identity()
-    return (weight.dtype == torch.float32 and weight.shape[-1] < PLAIN_GRAD_MAX_WIDTH
-            and cpu is not None and cpu[1] == "GenuineIntel")
+    return _intel_float32(weight) and weight.shape[-1] < PLAIN_GRAD_MAX_WIDTH
+
+
+@functools.lru_cache(maxsize=1)
+def _has_mkl_packed_gemm() -> bool:
+    """Whether this torch runs MKL's packed float32 GEMM (``torch.ops.mkl._mkl_linear``: built with MKL)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") \
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def mkl_packed_head(weight: torch.Tensor) -> bool:
+    """Whether a packed :class:`FrozenHead` is packed for MKL's packed GEMM instead of oneDNN's: float32 on an
+    Intel CPU, with a torch built with MKL."""
+    return _intel_float32(weight) and _has_mkl_packed_gemm()
 
 
 class FrozenHead:
@@ -335,42 +352,49 @@ class FrozenHead:
     :meth:`logits` ``x W^T`` and :meth:`input_grad` ``dz W``.
 
     Where :func:`_packs_head` holds (float32, or bf16 on a CPU whose bf16 GEMMs run natively; a vocabulary-wide
-    head, x86-64 with oneDNN, one process), the head is kept in oneDNN's packed layout once for each product
-    and both run on oneDNN from it: SmolLM2's head (49152 x 576) at 128-row tiles took 105-107 GF/s for
-    either in float32, against MKL's 87 (:func:`mm_wide`) and 91, and 210 and 221 GF/s in bf16 against
-    torch's 188 and 181, on one Zen 4 core; a DFlash step at SmolLM2's dimensions took 1.97 s instead of
-    2.15 in float32, 1.08-1.12 s instead of 1.18 in bf16. The cost is memory: two more copies of the head
-    (2 x V x H x 4 bytes in float32, 226 MB for SmolLM2's, half that in bf16; the input gradient's only
-    once one is asked for), kept as long as the head: packing both at every step (70 ms each at SmolLM2's in
-    float32) would take most of what they save, so :func:`frozen_head` keeps them. oneDNN builds a kernel for
-    each new number of rows, once (a loss's tiles have one or two). Elsewhere the products are
-    :func:`mm_wide` and ``@`` on the head itself.
+    head, x86-64 with oneDNN, one process), the head is kept packed for its products' GEMM kernel, once for each
+    product: on oneDNN, SmolLM2's head (49152 x 576) at 128-row tiles took 105-107 GF/s for either in float32,
+    against MKL's 87 (:func:`mm_wide`) and 91, and 210 and 221 GF/s in bf16 against torch's 188 and 181, on
+    one Zen 4 core; a DFlash step at SmolLM2's dimensions took 1.97 s instead of 2.15 in float32, 1.08-1.12 s
+    instead of 1.18 in bf16. The cost is memory: two more copies of the head (2 x V x H x 4 bytes in float32,
+    226 MB for SmolLM2's, half that in bf16; the input gradient's only once one is asked for), kept as long
+    as the head: packing both at every step (70 ms each at SmolLM2's in float32) would take most of what
+    they save, so :func:`frozen_head` keeps them. oneDNN builds a kernel for each new number of rows, once (a
+    loss's tiles have one or two). Elsewhere the products are :func:`mm_wide` and ``@`` on the head itself.
 
-    On an Intel CPU a float32 head narrower than :data:`PLAIN_GRAD_MAX_WIDTH` (:func:`plain_head_grad`) takes
-    its input gradient from MKL over the head itself, with no second copy: at 120-row tiles of a
-    49152-row head on one Xeon core, MKL ran ``dz W`` at 153-158 GF/s against oneDNN's 139-140 for widths
-    576-960, and fell to 107-131 from 1024 on (oneDNN 141-143); the logits stayed faster on oneDNN at every
-    width (135-142 against 117-129).
+    On an Intel CPU a float32 head is packed for MKL's packed GEMM instead (:func:`mkl_packed_head`), which
+    outran oneDNN's at every width: on one Xeon core, 49152 rows, 120-128-row tiles, the logits at 149-156
+    GF/s against oneDNN's 127-142 (widths 576-4096), and ``dz W`` at 150-158 against 137-142. MKL packs for
+    one number of rows: the logits' copy is packed at the first tile, and again for a tile with more rows
+    than that; a tile with fewer (a loss's last) runs MKL's plain GEMM over the head itself. A head
+    narrower than :data:`PLAIN_GRAD_MAX_WIDTH` (:func:`plain_head_grad`) takes its input gradient from MKL's
+    plain GEMM over the head itself, with no second copy: 153-160 GF/s at widths 576-960 (packed: 150-152),
+    falling to 106-131 from 1024 on, where its second copy is packed for MKL too.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
         if _packs_head(weight, weight.dtype):
-            # the input gradient's copy is packed at its first use: a loss without gradients never needs it
+            # the input gradient's copy is packed at its first use: a loss without gradients never needs it;
+            # MKL's copies are packed for a number of rows, so at their first use too
             self.weight, self._source = None, weight
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), None]
+            self._mkl, self._rows = mkl_packed_head(weight), [0, 0]
+            self._packed = [None if self._mkl else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None),
+                            None]
             self._plain_grad = plain_head_grad(weight)
         else:
-            self.weight, self._source, self._packed, self._plain_grad = weight, None, None, False
+            self.weight, self._source, self._packed, self._plain_grad, self._mkl = weight, None, None, False, False
 
     @property
     def packed(self) -> bool:
-        """Whether the products run on oneDNN from packed copies."""
+        """Whether the products run from packed copies (on MKL or oneDNN)."""
         return self._packed is not None
 
     def logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T`` for rows ``x [R, H]``, in ``out`` where it can be written there: use the returned tensor."""
         if self._packed is None:
             return mm_wide(x, self.weight, out=out)
+        if self._mkl:
+            return self._mkl_product(0, x, self._source)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed[0], None, "none", [], "")
 
     def input_grad(self, dz: torch.Tensor) -> torch.Tensor:
@@ -379,10 +403,22 @@ class FrozenHead:
             return dz @ self.weight
         if self._plain_grad:
             return dz @ self._source
+        if self._mkl:
+            return self._mkl_product(1, dz, self._source.t())
         if self._packed[1] is None:
             self._packed[1] = torch.ops.mkldnn._reorder_linear_weight(self._source.t().contiguous(), None)
             self._source = None
         return torch.ops.mkldnn._linear_pointwise(dz.contiguous(), self._packed[1], None, "none", [], "")
+
+    def _mkl_product(self, which: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x weight^T`` on MKL from packed copy ``which`` of ``weight``, packed for ``x``'s rows where it has none
+        yet or was packed for fewer (the old copy goes first); fewer rows run MKL's plain GEMM over ``weight``."""
+        rows = x.shape[0]
+        if rows > self._rows[which]:
+            self._packed[which] = None
+            self._packed[which] = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), rows)
+            self._rows[which] = rows
+        return torch.ops.mkl._mkl_linear(x, self._packed[which], weight, None, self._rows[which])
 
 
 #: id(head) -> (a weak reference to the head, what it was packed from, its FrozenHead), for packed heads: an

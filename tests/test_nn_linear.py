@@ -6,6 +6,7 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specforge_core import nn as sf_nn
 from specforge_core.nn import (WIDE_COLUMNS, WIDE_MAX_ROWS, Linear, frozen_head, linear, mm_wide,
@@ -231,6 +232,54 @@ def test_a_narrow_float32_heads_input_gradient_comes_from_mkl_over_the_head_on_i
     else:
         torch.testing.assert_close(grad, dz @ head, rtol=1e-5, atol=2e-3)
     assert not sf_nn.plain_head_grad(head.detach().to(torch.bfloat16))  # MKL has no bf16 GEMM: oneDNN's then
+
+
+MKL_PACKS_HERE = PACKS_HERE and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class _Kernels(TorchDispatchMode):
+    """The packed-GEMM kernels called under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.called: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in ("mkl._mkl_linear.default", "mkldnn._linear_pointwise.default"):
+            self.called.append(str(func).split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not MKL_PACKS_HERE, reason="needs an x86-64 torch with oneDNN and MKL")
+@pytest.mark.parametrize("vendor, kernel", [("GenuineIntel", "mkl"), ("AuthenticAMD", "mkldnn")])
+def test_a_float32_frozen_head_runs_on_mkls_packed_gemm_on_intel_cpus_and_on_onednn_elsewhere(monkeypatch, vendor,
+                                                                                              kernel):
+    """On an Intel CPU both products of a wide float32 head run on MKL's packed GEMM (the faster there at every
+    width), packed for the rows of its first call and again for a call with more; a call with fewer rows runs
+    MKL's plain GEMM over the head itself, keeping the copies. Elsewhere both run on oneDNN. The CPU vendor is
+    faked (this machine has one vendor)."""
+    monkeypatch.setattr(sf_nn, "_cpu_identity", lambda: (set(), vendor))
+    torch.manual_seed(0)
+    head = torch.nn.Parameter(torch.randn(8 * WIDE_COLUMNS + 5, sf_nn.PLAIN_GRAD_MAX_WIDTH), requires_grad=False)
+    x, dz = torch.randn(64, head.shape[1]), torch.randn(64, head.shape[0]) * 0.01
+    frozen = frozen_head(head, torch.float32)
+    assert frozen.packed
+    with _Kernels() as kernels:
+        logits, grad = frozen.logits(x[:40]), frozen.input_grad(dz[:40])
+    assert kernels.called == [kernel, kernel]
+    torch.testing.assert_close(logits, x[:40] @ head.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, dz[:40] @ head, rtol=1e-5, atol=1e-4)
+    if kernel != "mkl":
+        return
+    assert sf_nn.mkl_packed_head(head) and frozen._rows == [40, 40]
+    kept = list(frozen._packed)
+    # fewer rows: the copies stay as they are, and MKL's plain GEMM over the head gives torch's own values
+    assert torch.equal(frozen.logits(x[:25]), x[:25] @ head.t())
+    assert torch.equal(frozen.input_grad(dz[:7]), dz[:7] @ head)
+    assert frozen._rows == [40, 40] and all(now is then for now, then in zip(frozen._packed, kept))
+    # more rows: that product's copy is packed again, for them
+    torch.testing.assert_close(frozen.logits(x), x @ head.t(), rtol=1e-5, atol=1e-4)
+    assert frozen._rows == [64, 40] and frozen._packed[0] is not kept[0] and frozen._packed[1] is kept[1]
 
 
 @pytest.mark.parametrize("rows, dtype, head_dtype", [(8 * WIDE_COLUMNS - 1, torch.float32, torch.float32),

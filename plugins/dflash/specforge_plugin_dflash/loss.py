@@ -150,12 +150,12 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         most = max((samples.stop - samples.start) * (part.stop - part.start) * bs for samples, part in tiles)
         gemm = torch.float32 if upcasts(most, head) else head.dtype
         acc = torch.promote_types(gemm, torch.float32)  # the logits' dtype, as DFlashBackbone.logits gives them
-        frozen = frozen_head(head, gemm)  # packed once for oneDNN where that pays (a vocabulary-wide head)
+        frozen = frozen_head(head, gemm)  # packed once for oneDNN or MKL where that pays (a vocabulary-wide head)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         predictions = torch.empty(labels.shape, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grads else None
         # one buffer for every tile's logits, reused, and where the GEMMs run in another dtype one for their
-        # product (then the logits' gradient in that dtype); oneDNN's products come in buffers of their own,
+        # product (then the logits' gradient in that dtype); packed heads' products come in buffers of their own,
         # and a packed head's product in the GEMMs' dtype holds that gradient in turn
         logits = None if frozen.packed and gemm == acc else torch.empty(most, vocab, dtype=acc, device=hidden.device)
         narrow = None if gemm == acc or frozen.packed else torch.empty(most, vocab, dtype=gemm, device=hidden.device)
@@ -182,7 +182,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
                     torch.mul(frozen.input_grad(dz).view(target.shape), row_w.view(*target.shape[:-1], 1), out=target)
                 else:
                     target.copy_(frozen.input_grad(torch.mul(dz, row_w, out=low)).view(target.shape))
-            z = dz = low = None  # a tile's own logits (oneDNN's) go before the next tile's are made
+            z = dz = low = None  # a tile's own logits (a packed head's) go before the next tile's are made
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
         return total, predictions
@@ -205,7 +205,7 @@ def frozen_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: 
     ``w (softmax - onehot) head`` for ``hidden`` run while they are in cache, with one exp per logit.
     What the step keeps for backward is that ``[B, N, bs, H]`` gradient, not logits, and nothing is
     recomputed. ``head`` gets no gradient (DFlash's is the target's frozen lm_head): pass the model's own
-    parameter, which :func:`specforge_core.nn.frozen_head` packs for oneDNN once where that pays (a
+    parameter, which :func:`specforge_core.nn.frozen_head` packs for oneDNN or MKL once where that pays (a
     vocabulary-wide head on x86-64, in float32 or native bf16; its products then come in buffers of their
     own). ``weighting`` (D-PACE) reweights each tile from its own cross-entropies, which is why tiles hold
     whole blocks.
