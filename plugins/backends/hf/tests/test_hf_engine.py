@@ -529,7 +529,7 @@ def test_a_linear_attention_target_refuses_to_roll_back_naming_why(tmp_path):
 
 def test_a_forward_gets_its_cache_under_the_keyword_its_transformers_release_takes():
     """``cache`` where the forward takes it (the releases that renamed ``past_key_values``, which warns there),
-    ``past_key_values`` for a forward from before the rename."""
+    ``past_key_values`` for a forward from before the rename or one whose signature cannot be read."""
     import transformers
 
     from specforge_plugin_hf.engine import _cache_keyword
@@ -542,6 +542,13 @@ def test_a_forward_gets_its_cache_under_the_keyword_its_transformers_release_tak
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
     assert _cache_keyword(llama) == "cache"
     assert _cache_keyword(BeforeTheRename()) == "past_key_values"
+
+    class Unreadable(torch.nn.Module):  # a forward whose signature inspect cannot read: the keyword every
+        def forward(self, input_ids, cache=None):  # release before the rename takes, and which 5.x still does
+            return input_ids
+
+    Unreadable.forward.__signature__ = "not a signature"  # inspect.signature raises TypeError on it
+    assert _cache_keyword(Unreadable()) == "past_key_values"
 
 
 @pytest.mark.parametrize("extra_words, mask_token, want", [
