@@ -110,8 +110,9 @@ KERNELS = {
                              "vocabulary-wide head (8192 rows or more) in float32, or in bf16 where the CPU has "
                              "bf16 GEMMs: its two products from copies of the frozen head packed once and kept "
                              "(specforge_core.nn.frozen_head: two more copies of it in memory, made in the untimed "
-                             "first step), on oneDNN, except on an Intel CPU in float32: there on MKL's packed "
-                             "GEMM (packed for a tile's rows; a tile with fewer, MKL's plain GEMM over the head), "
+                             "first step), on oneDNN, except on an Intel CPU in float32 (a bf16 head converted "
+                             "to float32 only when narrower than 1024): there on MKL's packed GEMM (packed for a "
+                             "tile's rows; a tile with fewer, MKL's plain GEMM over the head), "
                              "and a head narrower than 1024 takes its input gradient from MKL's plain GEMM over "
                              "the head itself (one copy fewer); a float32 one not packed: the logits GEMM in "
                              "blocks of 1024 columns (specforge_core.nn.mm_wide)",

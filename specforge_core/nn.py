@@ -366,21 +366,27 @@ class FrozenHead:
     outran oneDNN's at every width: on one Xeon core, 49152 rows, 120-128-row tiles, the logits at 149-156
     GF/s against oneDNN's 127-142 (widths 576-4096), and ``dz W`` at 150-158 against 137-142. MKL packs for
     one number of rows: the logits' copy is packed at the first tile, and again for a tile with more rows
-    than that; a tile with fewer (a loss's last) runs MKL's plain GEMM over the head itself. A head
+    than that; a tile with fewer (a loss's last) runs MKL's plain GEMM over the head itself, which is
+    therefore kept, so a wide head converted to float32 for its GEMMs (bf16 upcast) stays on oneDNN, whose
+    copies need no third. A head
     narrower than :data:`PLAIN_GRAD_MAX_WIDTH` (:func:`plain_head_grad`) takes its input gradient from MKL's
     plain GEMM over the head itself, with no second copy: 153-160 GF/s at widths 576-960 (packed: 150-152),
     falling to 106-131 from 1024 on, where its second copy is packed for MKL too.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, *, copied: bool = False) -> None:
+        """``copied``: ``weight`` is a copy made for this head (the model's head in another dtype), not the
+        model's own tensor, so keeping it costs memory of its own."""
         if _packs_head(weight, weight.dtype):
             # the input gradient's copy is packed at its first use: a loss without gradients never needs it;
             # MKL's copies are packed for a number of rows, so at their first use too
             self.weight, self._source = None, weight
-            self._mkl, self._rows = mkl_packed_head(weight), [0, 0]
+            self._plain_grad = plain_head_grad(weight)
+            # MKL's products keep the head itself beside their copies, for the rows those were not packed for:
+            # free where it is the model's own tensor or where the input gradient keeps it anyway
+            self._mkl, self._rows = mkl_packed_head(weight) and (self._plain_grad or not copied), [0, 0]
             self._packed = [None if self._mkl else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None),
                             None]
-            self._plain_grad = plain_head_grad(weight)
         else:
             self.weight, self._source, self._packed, self._plain_grad, self._mkl = weight, None, None, False, False
 
@@ -438,7 +444,7 @@ def frozen_head(head: torch.Tensor, dtype: torch.dtype) -> FrozenHead:
     if kept is None or kept[0]() is not head or kept[1] != key:
         if kept is None or kept[0]() is not head:
             weakref.finalize(head, _FROZEN_HEADS.pop, id(head), None)
-        kept = (weakref.ref(head), key, FrozenHead(head.detach().to(dtype)))
+        kept = (weakref.ref(head), key, FrozenHead(head.detach().to(dtype), copied=head.dtype != dtype))
         _FROZEN_HEADS[id(head)] = kept
     return kept[2]
 

@@ -251,25 +251,30 @@ class _Kernels(TorchDispatchMode):
 
 
 @pytest.mark.skipif(not MKL_PACKS_HERE, reason="needs an x86-64 torch with oneDNN and MKL")
-@pytest.mark.parametrize("vendor, kernel", [("GenuineIntel", "mkl"), ("AuthenticAMD", "mkldnn")])
+@pytest.mark.parametrize("vendor, head_dtype, kernel", [("GenuineIntel", torch.float32, "mkl"),
+                                                        ("AuthenticAMD", torch.float32, "mkldnn"),
+                                                        ("GenuineIntel", torch.bfloat16, "mkldnn")])
 def test_a_float32_frozen_head_runs_on_mkls_packed_gemm_on_intel_cpus_and_on_onednn_elsewhere(monkeypatch, vendor,
-                                                                                              kernel):
+                                                                                              head_dtype, kernel):
     """On an Intel CPU both products of a wide float32 head run on MKL's packed GEMM (the faster there at every
     width), packed for the rows of its first call and again for a call with more; a call with fewer rows runs
-    MKL's plain GEMM over the head itself, keeping the copies. Elsewhere both run on oneDNN. The CPU vendor is
-    faked (this machine has one vendor)."""
+    MKL's plain GEMM over the head itself, keeping the copies. Elsewhere both run on oneDNN, and so does a
+    wide bf16 head taken in float32 (the upcast route), whose float32 copy MKL would keep as a third copy
+    and oneDNN lets go. The CPU vendor is faked (this machine has one vendor)."""
     monkeypatch.setattr(sf_nn, "_cpu_identity", lambda: (set(), vendor))
     torch.manual_seed(0)
-    head = torch.nn.Parameter(torch.randn(8 * WIDE_COLUMNS + 5, sf_nn.PLAIN_GRAD_MAX_WIDTH), requires_grad=False)
+    head = torch.nn.Parameter(torch.randn(8 * WIDE_COLUMNS + 5, sf_nn.PLAIN_GRAD_MAX_WIDTH).to(head_dtype),
+                              requires_grad=False)
     x, dz = torch.randn(64, head.shape[1]), torch.randn(64, head.shape[0]) * 0.01
     frozen = frozen_head(head, torch.float32)
     assert frozen.packed
     with _Kernels() as kernels:
         logits, grad = frozen.logits(x[:40]), frozen.input_grad(dz[:40])
     assert kernels.called == [kernel, kernel]
-    torch.testing.assert_close(logits, x[:40] @ head.t(), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(grad, dz[:40] @ head, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits, x[:40] @ head.float().t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, dz[:40] @ head.float(), rtol=1e-5, atol=1e-4)
     if kernel != "mkl":
+        assert frozen._source is None  # oneDNN's two copies, and not the head itself
         return
     assert sf_nn.mkl_packed_head(head) and frozen._rows == [40, 40]
     kept = list(frozen._packed)
