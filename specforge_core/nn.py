@@ -368,10 +368,10 @@ class FrozenHead:
     one number of rows: the logits' copy is packed at the first tile, and again for a tile with more rows
     than that; a tile with fewer (a loss's last) runs MKL's plain GEMM over the head itself, which is
     therefore kept, so a wide head converted to float32 for its GEMMs (bf16 upcast) stays on oneDNN, whose
-    copies need no third. A head
-    narrower than :data:`PLAIN_GRAD_MAX_WIDTH` (:func:`plain_head_grad`) takes its input gradient from MKL's
-    plain GEMM over the head itself, with no second copy: 153-160 GF/s at widths 576-960 (packed: 150-152),
-    falling to 106-131 from 1024 on, where its second copy is packed for MKL too.
+    copies need no third. A head narrower than :data:`PLAIN_GRAD_MAX_WIDTH` (:func:`plain_head_grad`) takes
+    its input gradient from MKL's plain GEMM over the head itself, with no second copy: 153-160 GF/s at
+    widths 576-960 (packed: 150-152), falling to 106-131 from 1024 on, where its second copy is packed for
+    MKL too.
     """
 
     def __init__(self, weight: torch.Tensor, *, copied: bool = False) -> None:
@@ -420,6 +420,8 @@ class FrozenHead:
         """``x weight^T`` on MKL from packed copy ``which`` of ``weight``, packed for ``x``'s rows where it has none
         yet or was packed for fewer (the old copy goes first); fewer rows run MKL's plain GEMM over ``weight``."""
         rows = x.shape[0]
+        if not rows:  # nothing to pack for
+            return x @ weight.t()
         if rows > self._rows[which]:
             self._packed[which] = None
             self._packed[which] = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), rows)

@@ -268,6 +268,7 @@ def test_a_float32_frozen_head_runs_on_mkls_packed_gemm_on_intel_cpus_and_on_one
     x, dz = torch.randn(64, head.shape[1]), torch.randn(64, head.shape[0]) * 0.01
     frozen = frozen_head(head, torch.float32)
     assert frozen.packed
+    assert frozen.logits(x[:0]).shape == (0, head.shape[0]) and frozen.input_grad(dz[:0]).shape == (0, head.shape[1])
     with _Kernels() as kernels:
         logits, grad = frozen.logits(x[:40]), frozen.input_grad(dz[:40])
     assert kernels.called == [kernel, kernel]
