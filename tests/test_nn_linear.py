@@ -1,5 +1,5 @@
 """specforge_core.nn.linear: half precision on CPUs whose own bf16 GEMM is the slower runs as float32 GEMMs; mm_wide:
-a vocabulary-wide float32 head in blocks of columns; frozen_head: a frozen one packed for oneDNN."""
+a vocabulary-wide float32 head in blocks of columns; frozen_head: a frozen one packed for oneDNN or MKL."""
 
 import platform
 
