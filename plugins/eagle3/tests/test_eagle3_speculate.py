@@ -11,6 +11,8 @@ from specforge_plugin_eagle3.speculate import speculate
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 
 transformers = pytest.importorskip("transformers")
+# the keyword a forward takes its KV cache by in the installed transformers, as the hf engine picks it
+_cache_keyword = pytest.importorskip("specforge_plugin_hf.engine")._cache_keyword
 
 V, H, LAYERS = 96, 32, 4
 
@@ -46,13 +48,15 @@ class LlamaSession:
     def __init__(self, model, prompt, layer_ids):
         self.model, self.layer_ids = model, layer_ids
         self.cache = transformers.DynamicCache(config=model.config)
+        self.cache_keyword = _cache_keyword(model)
         self.length = 0
         self.forwards = 0
         self.prefill = self.extend(torch.as_tensor(prompt))
 
     @torch.no_grad()
     def extend(self, ids):
-        out = self.model(input_ids=ids[None], cache=self.cache, use_cache=True, output_hidden_states=True)
+        out = self.model(input_ids=ids[None], use_cache=True, output_hidden_states=True,
+                         **{self.cache_keyword: self.cache})
         self.length += len(ids)
         self.forwards += 1
         states = out.hidden_states
