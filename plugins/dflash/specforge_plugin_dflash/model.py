@@ -74,7 +74,8 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: G
 
 
 def _blockwise(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[B, h, N*bs, ...]`` -> ``[B*N, h, bs, ...]`` (a copy): each block its own batch row."""
+    """``[B, h, N*bs, ...]`` -> ``[B*N, h, bs, ...]``: each block its own batch row (a view of a tensor laid out
+    as ``[B, N*bs, h, ...]``, as the layer's are; else a copy)."""
     b, h, q = x.shape[:3]
     n = q // block_size
     return x.reshape(b, h, n, block_size, *x.shape[3:]).transpose(1, 2).reshape(b * n, h, block_size, *x.shape[3:])
@@ -129,12 +130,14 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
         q_in, k_in, v_in, out, lse = ctx.saved_tensors
         q, k, v, pattern = in_float32(q_in), in_float32(k_in), in_float32(v_in), ctx.pattern
         s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
-        grad_out = in_float32(grad_out).contiguous()
+        # every tensor here keeps the layer's [B, S, h, d] layout (the kernel takes strided views), and so do the
+        # gradients returned: the layer's transposes and views then pass them on without a copy
+        grad_out = in_float32(grad_out)
         own = cpu_flash_attention_backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
                                            _blockwise(v[:, :, s:], bs), _blockwise(out, bs), _blockwise(lse, bs))
         grad_q = _unblockwise(own[0], batch)
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        grad_k = torch.zeros_like(k, dtype=torch.float32)
+        grad_v = torch.zeros_like(v, dtype=torch.float32)
         grad_k[:, :, s:], grad_v[:, :, s:] = _unblockwise(own[1], batch), _unblockwise(own[2], batch)
         del own  # the block-major gradients, copied out: not kept through the context calls
         for group, bias in zip(pattern.groups, pattern.context_bias):

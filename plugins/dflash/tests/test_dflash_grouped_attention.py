@@ -160,3 +160,22 @@ def test_attention_keeps_the_shared_context_for_backward_not_a_joined_copy_per_l
                                                             enable_gqa=True)
     want = attn.o_proj(want.transpose(1, 2).reshape(batch, queries, -1))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_grouped_attention_gives_each_input_its_gradient_in_the_inputs_layout():
+    """A layer's q, k and v are ``[B, S, h, d]`` projections seen as ``[B, h, S, d]``: the grouped CPU attention
+    returns each gradient in that same layout, so the layer's transposes and views pass it on without copying
+    it (a ``[B, h, S, d]``-ordered gradient made autograd copy k's and v's whole gradient in every layer)."""
+    from specforge_plugin_dflash.model import attend_grouped
+
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, dim, seq, blocks, bs = 2, 4, 2, 8, 24, 4, 4
+    anchors = torch.tensor([[0, 3, 9, 20], [1, 5, 12, 18]])
+    pattern = grouped_block_attention(anchors, torch.tensor([24, 22]), seq, bs, blocks_per_group=2)
+    q, k, v = (torch.randn(batch, width, n, dim, generator=gen).transpose(1, 2).requires_grad_()
+               for n, width in ((heads, blocks * bs), (kv_heads, seq + blocks * bs), (kv_heads, seq + blocks * bs)))
+    out = attend_grouped(q, k, v, pattern, "sdpa")
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=gen).transpose(1, 2)
+                                .contiguous().transpose(1, 2))
+    for grad, given in zip(grads, (q, k, v)):
+        assert grad.shape == given.shape and grad.stride() == given.stride()
