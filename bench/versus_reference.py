@@ -88,7 +88,8 @@ KERNELS = {
         "ours_loss": {"cpu": "the vocabulary head fused with the soft cross-entropy (specforge_plugin_eagle3."
                              "head_loss): supervised rows only, in chunks whose logits stay in cache (the maximum and "
                              "argmax by a vectorised search over blocks, specforge_core.nn.max_last; torch's softmax "
-                             "kernel in place, one exp per logit), gradients by two GEMMs in forward; no [B, S, Vd] "
+                             "kernel in place, one exp per logit), gradients by two GEMMs in forward, the head's weight "
+                             "gradient accumulated in place over the unroll steps into one [Vd, h] sum; no [B, S, Vd] "
                              "tensor kept for backward; a float32 head of 8192 rows or more: its logits GEMM in blocks "
                              "of 1024 columns (specforge_core.nn.mm_wide)",
                       "cuda": "the same ops (cuBLAS GEMMs, elementwise kernels per chunk)"},

@@ -16,7 +16,11 @@ dot product per row multiplies into a temporary and sums it: 256 rows of 4096, 0
 of 0.63 on one Xeon core), and its gradient needs no pass to scale rows. A chunk is at least
 :data:`MIN_CHUNK_ROWS` rows, however wide the vocabulary: each chunk's GEMM passes over the whole head. The input
 gradients are computed in forward and only scaled in backward, so what a step keeps for
-backward is ``dx [R, h]`` and ``dW [Vd, h]``, not its logits. On CUDA the same ops run on
+backward is ``dx [R, h]``, not its logits. The unroll steps share the head: given a
+:class:`HeadGradSum` and the step's coefficient c_k in the loss (``sum_k c_k S_k``), each step
+adds ``c_k dW_k`` into that one ``[Vd, h]`` sum as its GEMM (``dW`` accumulated in place), and the
+first step backward reaches hands the sum to autograd, the others nothing; without one, each step
+keeps its own ``dW`` and autograd adds them up. On CUDA the same ops run on
 cuBLAS and elementwise kernels;
 bf16/fp16 on a CPU whose own bf16 GEMM is the slower runs its GEMMs in float32
 (:func:`specforge_core.nn.upcasts`).
@@ -27,7 +31,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specforge_core.nn import Linear, mm_wide, softmax_logsumexp_, upcasts
+from specforge_core.nn import Linear, add_product_, mm_wide, softmax_logsumexp_, upcasts
 
 #: Elements of one chunk's float32 logits (4 MiB): rows per chunk = this / Vd, at least MIN_CHUNK_ROWS.
 CHUNK_ELEMENTS = 1 << 20
@@ -38,12 +42,62 @@ CHUNK_ELEMENTS = 1 << 20
 MIN_CHUNK_ROWS = 128
 
 
+class HeadGradSum:
+    """The head weight's gradient over the unroll steps of one loss ``L = g * sum_k c_k S_k``, summed as the steps
+    run: ``sum_k c_k dW_k`` in one ``[Vd, h]`` tensor (the sums' dtype), where each step would otherwise keep its
+    own ``dW_k`` (a 32000-row head at SmolLM2's width: 74 MB a step in float32) for autograd to scale and add.
+
+    Backward reaches every step with the gradient ``c_k g`` of its ``S_k``; the first step it reaches returns the
+    sum times ``g``, the others return nothing. That holds only while every step's ``S_k`` enters the loss as
+    ``c_k S_k`` and nowhere else (the unrolled loss builds it so, :func:`.loss.ttt_loss`); on CPU each later step
+    checks its ``g`` against the first's. A step with ``c_k = 0`` adds nothing and is not counted. A graph
+    backpropagated again (``retain_graph``) hands the sum over again on its next pass.
+    """
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+        self.steps = 0  # the steps that added to the sum
+        self._seen = 0  # backward calls of those steps so far, over every pass
+        self._scale: torch.Tensor | None = None  # the pass's g
+
+    def add(self, dz: torch.Tensor, x: torch.Tensor, coefficient: float, dtype: torch.dtype) -> None:
+        """``grad += coefficient * dz^T x``, the sum kept in ``dtype``."""
+        if coefficient == 0:
+            return
+        if self.grad is None:
+            self.grad = torch.zeros(dz.shape[1], x.shape[1], dtype=dtype, device=x.device)
+        add_product_(self.grad, dz.t(), x if coefficient == 1 else x * coefficient)  # scale the narrow side
+        self.steps += 1
+
+    def take(self, grad_total: torch.Tensor, coefficient: float, dtype: torch.dtype) -> torch.Tensor | None:
+        """A step's weight gradient in backward, ``grad_total`` being ``dL/dS_k``: the whole sum times ``g`` at
+        the first step backward reaches in a pass, else None."""
+        if coefficient == 0 or self.grad is None:
+            return None
+        scale = grad_total / coefficient
+        first = self._seen % self.steps == 0
+        self._seen += 1
+        if first:
+            self._scale = scale
+            return (self.grad * scale.to(self.grad.dtype)).to(dtype)
+        if scale.device.type == "cpu" and not torch.allclose(scale, self._scale, rtol=1e-4, atol=0):
+            raise RuntimeError(
+                f"the unroll steps' head gradients are summed for a loss sum_k c_k S_k, but a step with c_k = "
+                f"{coefficient} got dL/dS_k = {float(grad_total):.6g}, {float(scale):.6g} per unit of c_k where the "
+                f"first step got {float(self._scale):.6g}: every step's loss must enter the total once, times its "
+                f"coefficient")
+        return None
+
+
 @attrs.frozen
 class SoftTargets:
     """What a step's loss reads: ``p [R, Vd]`` float teacher rows, row r the target distribution of hidden
-    row r (read in place, a chunk at a time), every row counted."""
+    row r (read in place, a chunk at a time), every row counted; with ``weight_grad``, the step's
+    ``coefficient`` in the loss and the :class:`HeadGradSum` its head's weight gradient goes to."""
 
     p: torch.Tensor
+    coefficient: float = 1.0
+    weight_grad: HeadGradSum | None = None
 
 
 def chunk_rows(vocab: int) -> int:
@@ -56,7 +110,8 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
     ``p [R, Vd]``; the argmax (draft ids, ``[R]``) carries no gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, coefficient: float = 1.0,
+                shared: HeadGradSum | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         rows, vocab = x.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gemm = torch.float32 if upcasts(rows, weight) else weight.dtype
@@ -88,8 +143,13 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = (dz @ w_g).to(x.dtype)
+        ctx.shared = None
         if ctx.needs_input_grad[1]:
-            grad_w = (dz.t() @ x_g).to(weight.dtype)
+            if shared is None:
+                grad_w = (dz.t() @ x_g).to(weight.dtype)
+            else:  # into the steps' one sum, as a GEMM accumulating in place
+                shared.add(dz, x_g, coefficient, acc)
+                ctx.shared, ctx.coefficient, ctx.weight_dtype = shared, coefficient, weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
         ctx.mark_non_differentiable(draft)
         return total, draft
@@ -98,14 +158,17 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total: torch.Tensor, _grad_draft: torch.Tensor | None):
         grad_x, grad_w = ctx.saved_tensors
         scale = grad_total
-        return (None if grad_x is None else grad_x * scale.to(grad_x.dtype),
-                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None)
+        if ctx.shared is not None:
+            grad_w = ctx.shared.take(grad_total, ctx.coefficient, ctx.weight_dtype)
+        elif grad_w is not None:
+            grad_w = grad_w * scale.to(grad_w.dtype)
+        return None if grad_x is None else grad_x * scale.to(grad_x.dtype), grad_w, None, None, None
 
 
 def head_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
                             targets: SoftTargets) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_r CE(p_r, x_r W^T), argmax_r x_r W^T)`` (see :class:`HeadSoftCrossEntropy`)."""
-    return HeadSoftCrossEntropy.apply(x, weight, targets.p)
+    return HeadSoftCrossEntropy.apply(x, weight, targets.p, targets.coefficient, targets.weight_grad)
 
 
 class DraftHead(Linear):

@@ -20,7 +20,7 @@ import torch
 
 from specforge_core.nn import argmax_last, linear
 
-from .head_loss import SoftTargets
+from .head_loss import HeadGradSum, SoftTargets
 from .model import Eagle3Draft, UnrollWindows, shift_left
 
 #: ``score(rows [R, h], targets) -> (sum_r w_r CE, draft ids [R])``: the vocabulary head and its loss.
@@ -195,6 +195,7 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
     p_rows, wanted = p_t.reshape(b * s, -1).index_select(0, teacher_rows), target_ids.reshape(-1)[teacher_rows]
     starts = None if windows is None else torch.tensor(windows.starts, device=teacher_rows.device)
     total = p_t.new_zeros((), dtype=torch.float32)
+    head_grad = HeadGradSum()  # the head's weight gradient, summed over the steps as decay^k times each
     counts: list[torch.Tensor] = []  # S_k, correct_k, M_k per step: moved to the host at once
     for k, hidden in enumerate(step_hidden):
         rows = teacher_rows[:live[k]] - k
@@ -203,8 +204,8 @@ def ttt_loss(step_hidden: list[torch.Tensor], score: Score, p_t: torch.Tensor, t
             sample = torch.div(rows, s, rounding_mode="floor")
             rows = sample * width + ((rows % s) - starts[sample]).clamp(0, width - 1)
         step_sum, draft_ids = score(hidden.reshape(b * width, -1).index_select(0, rows),
-                                    SoftTargets(p_rows[:live[k]]))
-        total = total + decay ** k * step_sum
+                                    SoftTargets(p_rows[:live[k]], decay ** k, head_grad))
+        total = total + decay ** k * step_sum  # each step's loss enters once, times decay^k, as head_grad takes it
         with torch.no_grad():
             correct = (draft_ids + d2t[draft_ids] == wanted[:live[k]]).sum()
             counts += [step_sum.detach(), correct.float(), (loss_mask.bool() & (deepest >= k)).sum().float()]

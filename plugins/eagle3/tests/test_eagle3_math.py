@@ -575,6 +575,59 @@ def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(mo
     assert again.item() == pytest.approx(want.item(), rel=1e-12) and torch.equal(again_draft, draft)
 
 
+def _unrolled_head_losses(coefficients, shared, weights=None):
+    """Three unroll steps' fused head losses over one 13 x 6 head, their rows 9, 7 and 4 (a step with fewer rows
+    each deeper), summed as ``sum_k weights_k S_k`` (``weights`` defaults to the coefficients the steps are told);
+    the total and what autograd kept for backward (bytes)."""
+    from specforge_plugin_eagle3.head_loss import HeadGradSum, SoftTargets
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(9, 13, generator=gen, dtype=torch.float64), -1)
+    head_grad = HeadGradSum() if shared else None
+    saved = []
+    total = 0
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        for k, (rows, c, w) in enumerate(zip((9, 7, 4), coefficients, weights or coefficients)):
+            step_sum, _ = head_soft_cross_entropy(torch.tanh(x[:rows] * (k + 1)), weight,
+                                                  SoftTargets(p[:rows], c, head_grad))
+            total = total + w * step_sum
+    return x, weight, total, sum(saved)
+
+
+@pytest.mark.parametrize("coefficients", [(1.0, 0.8, 0.64), (1.0, 0.0, 0.0)])
+def test_unroll_steps_sum_the_heads_weight_gradient_in_one_tensor_with_the_per_step_gradients(coefficients):
+    """With a HeadGradSum the steps add c_k dW_k into one sum as they run and backward hands it over once: the
+    gradients are those of each step keeping its own dW_k (decay 0 too: steps with c_k = 0 add nothing), and
+    no step keeps a [Vd, h] gradient for backward."""
+    x, weight, total, kept = _unrolled_head_losses(coefficients, shared=False)
+    want = torch.autograd.grad(0.25 * total, (x, weight))
+    x_s, weight_s, total_s, kept_s = _unrolled_head_losses(coefficients, shared=True)
+    got = torch.autograd.grad(0.25 * total_s, (x_s, weight_s))
+    assert total_s.item() == pytest.approx(total.item(), rel=1e-14)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    per_step_weight_grads = 3 * 13 * 6 * 8
+    assert kept_s == kept - per_step_weight_grads
+
+
+def test_the_summed_head_gradient_is_handed_over_again_on_a_second_backward_pass():
+    x, weight, total, _ = _unrolled_head_losses((1.0, 0.5, 0.25), shared=True)
+    first = torch.autograd.grad(total, weight, retain_graph=True)[0]
+    again = torch.autograd.grad(2.0 * total, weight)[0]
+    torch.testing.assert_close(again, 2.0 * first, rtol=1e-14, atol=0)
+
+
+def test_a_step_loss_weighted_otherwise_than_its_coefficient_is_refused_in_backward():
+    """The sum assumes every step enters the loss as c_k S_k; a loss weighting a step otherwise would get a wrong
+    head gradient, so backward refuses it and says why."""
+    x, weight, total, _ = _unrolled_head_losses((1.0, 0.5, 0.25), shared=True, weights=(1.0, 0.5, 0.75))
+    with pytest.raises(RuntimeError, match="every step's loss must enter the total once, times its coefficient"):
+        torch.autograd.grad(total, weight)
+
+
 @pytest.mark.parametrize("route", ["native", "fp32"])  # bf16 GEMMs (logits in a float32 scratch chunk) / float32 ones
 def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloat16_gradients(half_gemm, route):
     from specforge_plugin_eagle3.head_loss import SoftTargets
