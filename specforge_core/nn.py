@@ -722,7 +722,7 @@ def _half_rms_norm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     backward with its values (the same products, sums and differences, rounded where it rounds), each step
     in the buffer of a tensor nothing reads after it: six ``[.., H]`` tensors, three of them float32, where
     each step in a tensor of its own took eleven, seven of them float32."""
-    y32 = x * rstd  # the normalised rows in float32 (x's float32 copy times rstd)
+    y32 = in_float32(x).mul_(rstd)  # the normalised rows in float32 (x * rstd would make one more float32 copy)
     grad_x = grad_weight = None
     if need_weight:
         grad_weight = y32.to(x.dtype).mul_(grad).reshape(-1, grad.shape[-1]).sum(0)

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.nn import (MAX_BLOCK, RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear,
@@ -272,38 +271,34 @@ def test_rms_norm_keeps_only_its_input_for_backward(dtype):
     assert _saved_bytes(_written_out_rms_norm, x, weight, 1e-6) >= 2 * rows * width * element + rows * 4
 
 
-class _NewTensors(TorchDispatchMode):
-    """Records the dtype of every tensor of ``numel`` elements an op makes (an output in none of its inputs'
-    storages: not a view, not written in place)."""
+def _input_sized_allocations(numel: int, run) -> list[str]:
+    """The dtypes of the tensors of ``numel`` elements allocated while ``run()`` runs, in order, as the profiler
+    records each op's own allocations (net of what the op frees before it returns)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.made = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        self.made += [t.dtype for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-                      and t.numel() == self.numel and t.untyped_storage().data_ptr() not in inputs]
-        return out
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    sizes = {numel * 2: "half", numel * 4: "float32"}
+    return [sizes[e.self_cpu_memory_usage] for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+            if e.self_cpu_memory_usage in sizes]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_rms_norm_makes_each_step_in_a_buffer_nothing_reads_after_it(dtype):
-    """A half-precision norm makes three tensors of its input's size in forward (the float32 copy for the
+    """A half-precision norm allocates three tensors of its input's size in forward (the float32 copy for the
     statistic, its square, the output) and six in backward, three of them float32: written out step by step it
     made five and eleven (seven float32), each a page-touching allocation of the step's heap."""
     x = torch.randn(64, 4, 32).to(dtype).requires_grad_()
     weight = torch.ones(32, dtype=dtype, requires_grad=True)
-    with _NewTensors(x.numel()) as forward:
-        out = rms_norm(x, weight, 1e-6)
-    assert forward.made == [torch.float32, torch.float32, dtype]
     grad = torch.randn(64, 4, 32).to(dtype)
-    with _NewTensors(x.numel()) as backward:
-        out.backward(grad)
-    assert sorted(map(str, backward.made)) == sorted(map(str, [torch.float32, dtype, dtype, torch.float32,
-                                                               torch.float32, dtype]))
+    made = {}
+
+    def forward():
+        made["out"] = rms_norm(x, weight, 1e-6)
+
+    assert _input_sized_allocations(x.numel(), forward) == ["float32", "float32", "half"]
+    assert _input_sized_allocations(x.numel(), lambda: made["out"].backward(grad)) == [
+        "float32", "half", "half", "float32", "float32", "half"]
 
 
 def test_gated_down_proj_has_the_written_out_gradients_in_float64():
