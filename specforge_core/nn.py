@@ -667,8 +667,9 @@ class _RMSNorm(torch.autograd.Function):
     backward recomputes the normalised rows and rounds as the written-out form does, and both passes
     take each step in the buffer of a tensor nothing reads after it (:func:`_half_rms_norm_grads`):
     fewer short-lived tensors interleaved with the ones a step keeps, which left the heap's pages
-    touched by the DSpark bf16 step of ``bench/versus_reference.py`` (tiny shapes) at 33.4-34.0 MB
-    above its baseline instead of 36.3-38.5 (the compiled textbook's: 34.9-36.1). In float32 and
+    touched by the DSpark bf16 step of ``bench/versus_reference.py`` (tiny shapes) at 33.4-36.6 MB
+    above its baseline against the compiled textbook's 34.9-38.2 (before: 36.3-38.5 against
+    34.9-36.1). In float32 and
     float64, where nothing rounds between the steps, it never forms them: from one product ``g * x``
     come the weight's gradient and each row's ``mean(dy * y)`` as two GEMVs, and the input's
     gradient takes three more passes; forward scales the normalised rows by the weight in their own

@@ -288,9 +288,10 @@ def test_half_rms_norm_makes_each_step_in_a_buffer_nothing_reads_after_it(dtype)
     """A half-precision norm allocates three tensors of its input's size in forward (the float32 copy for the
     statistic, its square, the output) and six in backward, three of them float32: written out step by step it
     made five and eleven (seven float32), each a page-touching allocation of the step's heap."""
-    x = torch.randn(64, 4, 32).to(dtype).requires_grad_()
-    weight = torch.ones(32, dtype=dtype, requires_grad=True)
-    grad = torch.randn(64, 4, 32).to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 4, 32, generator=gen) * 3).to(dtype).requires_grad_()
+    weight = (1 + torch.randn(32, generator=gen) / 4).to(dtype).requires_grad_()
+    grad = torch.randn(64, 4, 32, generator=gen).to(dtype)
     made = {}
 
     def forward():
@@ -299,6 +300,14 @@ def test_half_rms_norm_makes_each_step_in_a_buffer_nothing_reads_after_it(dtype)
     assert _input_sized_allocations(x.numel(), forward) == ["float32", "float32", "half"]
     assert _input_sized_allocations(x.numel(), lambda: made["out"].backward(grad)) == [
         "float32", "half", "half", "float32", "float32", "half"]
+    # the values are the written-out steps', bit for bit
+    x32 = x.detach().float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    y32 = x32 * rstd
+    dy = (grad * weight.detach()).float()
+    assert torch.equal(made["out"], weight.detach() * y32.to(dtype))
+    assert torch.equal(x.grad, (rstd * (dy - y32 * (dy * y32).mean(-1, keepdim=True))).to(dtype))
+    assert torch.equal(weight.grad, (grad * y32.to(dtype)).reshape(-1, 32).sum(0))
 
 
 def test_gated_down_proj_has_the_written_out_gradients_in_float64():
