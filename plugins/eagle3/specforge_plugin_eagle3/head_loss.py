@@ -42,6 +42,10 @@ CHUNK_ELEMENTS = 1 << 20
 MIN_CHUNK_ROWS = 128
 
 
+#: What :class:`HeadGradSum` needs of the loss, said when a backward pass shows otherwise.
+_CONTRACT = "every step's loss must enter the total once, times its coefficient"
+
+
 class HeadGradSum:
     """The head weight's gradient over the unroll steps of one loss ``L = g * sum_k c_k S_k``, summed as the steps
     run: ``sum_k c_k dW_k`` in one ``[Vd, h]`` tensor (the sums' dtype), where each step would otherwise keep its
@@ -49,16 +53,17 @@ class HeadGradSum:
 
     Backward reaches every step with the gradient ``c_k g`` of its ``S_k``; the first step it reaches returns the
     sum times ``g``, the others return nothing. That holds only while every step's ``S_k`` enters the loss as
-    ``c_k S_k`` and nowhere else (the unrolled loss builds it so, :func:`.loss.ttt_loss`); on CPU each later step
-    checks its ``g`` against the first's. A step with ``c_k = 0`` adds nothing and is not counted. A graph
-    backpropagated again (``retain_graph``) hands the sum over again on its next pass.
+    ``c_k S_k`` and nowhere else (the unrolled loss builds it so, :func:`.loss.ttt_loss`): on CPU each later step
+    checks its ``g`` against the first's, and at the end of every backward pass (on any device) the sum checks
+    that the pass reached each step that added to it. A step with ``c_k = 0`` adds nothing and is not counted. A
+    graph backpropagated again (``retain_graph``) hands the sum over again on its next pass.
     """
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
         self.steps = 0  # the steps that added to the sum
-        self._seen = 0  # backward calls of those steps so far, over every pass
-        self._scale: torch.Tensor | None = None  # the pass's g
+        self._scale: torch.Tensor | None = None  # the running backward pass's g (None between passes)
+        self._reached = 0  # the steps the running pass has reached
 
     def add(self, dz: torch.Tensor, x: torch.Tensor, coefficient: float, dtype: torch.dtype) -> None:
         """``grad += coefficient * dz^T x``, the sum kept in ``dtype``."""
@@ -75,18 +80,23 @@ class HeadGradSum:
         if coefficient == 0 or self.grad is None:
             return None
         scale = grad_total / coefficient
-        first = self._seen % self.steps == 0
-        self._seen += 1
-        if first:
+        self._reached += 1
+        if self._scale is None:  # the first step this pass reaches; the pass's end checks it reached them all
             self._scale = scale
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
             return (self.grad * scale.to(self.grad.dtype)).to(dtype)
         if scale.device.type == "cpu" and not torch.allclose(scale, self._scale, rtol=1e-4, atol=0):
             raise RuntimeError(
                 f"the unroll steps' head gradients are summed for a loss sum_k c_k S_k, but a step with c_k = "
                 f"{coefficient} got dL/dS_k = {float(grad_total):.6g}, {float(scale):.6g} per unit of c_k where the "
-                f"first step got {float(self._scale):.6g}: every step's loss must enter the total once, times its "
-                f"coefficient")
+                f"first step got {float(self._scale):.6g}: {_CONTRACT}")
         return None
+
+    def _end_pass(self) -> None:
+        reached, self._scale, self._reached = self._reached, None, 0
+        if reached != self.steps:
+            raise RuntimeError(f"backward reached {reached} of the {self.steps} unroll steps whose head gradients "
+                               f"were summed, and handed all {self.steps} steps' sum to the head: {_CONTRACT}")
 
 
 @attrs.frozen

@@ -577,7 +577,8 @@ def test_the_fused_head_loss_and_its_gradients_match_autograd_over_the_logits(mo
 
 def _unrolled_head_losses(coefficients, shared, weights=None):
     """Three unroll steps' fused head losses over one 13 x 6 head, their rows 9, 7 and 4 (a step with fewer rows
-    each deeper), summed as ``sum_k weights_k S_k`` (``weights`` defaults to the coefficients the steps are told);
+    each deeper), summed as ``sum_k weights_k S_k`` (``weights`` defaults to the coefficients the steps are told;
+    a weight of None leaves the step out);
     the total and what autograd kept for backward (bytes)."""
     from specforge_plugin_eagle3.head_loss import HeadGradSum, SoftTargets
 
@@ -593,7 +594,8 @@ def _unrolled_head_losses(coefficients, shared, weights=None):
         for k, (rows, c, w) in enumerate(zip((9, 7, 4), coefficients, weights or coefficients)):
             step_sum, _ = head_soft_cross_entropy(torch.tanh(x[:rows] * (k + 1)), weight,
                                                   SoftTargets(p[:rows], c, head_grad))
-            total = total + w * step_sum
+            if w is not None:  # None: the step is left out of the total
+                total = total + w * step_sum
     return x, weight, total, sum(saved)
 
 
@@ -618,6 +620,15 @@ def test_the_summed_head_gradient_is_handed_over_again_on_a_second_backward_pass
     first = torch.autograd.grad(total, weight, retain_graph=True)[0]
     again = torch.autograd.grad(2.0 * total, weight)[0]
     torch.testing.assert_close(again, 2.0 * first, rtol=1e-14, atol=0)
+
+
+def test_a_loss_leaving_out_a_step_whose_head_gradient_was_summed_is_refused_at_the_end_of_backward():
+    """A step left out of the total is never reached by backward, yet its c_k dW_k is in the sum handed to the
+    head: the pass's end says so (a check of counts alone, so on every device)."""
+    x, weight, total, _ = _unrolled_head_losses((1.0, 0.5, 0.25), shared=True, weights=(1.0, 0.5, None))
+    with pytest.raises(RuntimeError, match="backward reached 2 of the 3 unroll steps whose head gradients were "
+                                           "summed.*every step's loss must enter the total once"):
+        torch.autograd.grad(total, weight)
 
 
 def test_a_step_loss_weighted_otherwise_than_its_coefficient_is_refused_in_backward():
