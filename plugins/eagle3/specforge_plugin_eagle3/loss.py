@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from specforge_core.nn import argmax_last, linear
+from specforge_core.nn import argmax_last, linear, softmax_last_
 
 from .head_loss import HeadGradSum, SoftTargets
 from .model import Eagle3Draft, UnrollWindows, shift_left
@@ -118,7 +118,10 @@ def teacher(model: Eagle3Draft, last_hidden: torch.Tensor,
         # (SmolLM2's 49152 -> 32000 columns of 1024 rows: 405-435 ms against 89-118, float32 and bf16)
         flat = logits.reshape(-1, logits.shape[-1]).index_select(-1, model.draft_to_target_index())
         logits = flat.view(*logits.shape[:-1], -1)  # [B, S, Vd]
-    p_t = torch.softmax(logits.float(), dim=-1)
+    # the softmax in place: in half precision into the logits' float32 copy, in float32 into the logits themselves
+    # (made here, and read no more): one [B, S, Vd] float32 tensor where a fresh softmax made a second (SmolLM2's
+    # 32000-token draft vocabulary at 1024 positions: 131 MB, above glibc's ceiling, so mapped and faulted in anew)
+    p_t = softmax_last_(logits.float())
     position_mask = model.t2d[target_ids] & loss_mask.bool()
     return p_t, target_ids, position_mask
 

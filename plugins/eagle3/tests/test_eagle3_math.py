@@ -329,6 +329,33 @@ def test_build_model_installs_the_mapping_from_data_stats():
 
 
 # ---------------------------------------------------------------- loss and metrics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_vocab", [V, 5])
+def test_the_teacher_softmax_is_torchs_in_the_one_float32_tensor_of_its_shape(dtype, draft_vocab):
+    """The teacher's distribution is torch's softmax of the draft vocabulary's float32 logits, bit for bit,
+    computed in the one float32 ``[B, S, Vd]`` tensor the teacher makes: a fresh softmax made a second one,
+    at SmolLM2's sizes 131 MB mapped and faulted in anew every step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specforge_plugin_eagle3.loss import teacher
+
+    info, frozen = tiny_target()
+    strategy = Eagle3Strategy(Eagle3Options(draft_vocab_size=draft_vocab, dtype=str(dtype).split(".")[1]))
+    model = strategy.build_model(info, {name: part.to(dtype) for name, part in frozen.items()},
+                                 counts_for(V, {9: 4, 2: 1, 7: 4}))
+    gen = torch.Generator().manual_seed(3)
+    last_hidden = (torch.randn(2, 5, info.hidden_size, generator=gen) * 2).to(dtype)
+    loss_mask = torch.ones(2, 5, dtype=torch.long)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        p_t, target_ids, _ = teacher(model, last_hidden, loss_mask)
+    logits = torch.nn.functional.linear(last_hidden, model.target_lm_head)
+    assert torch.equal(target_ids, logits.float().argmax(-1))
+    restricted = logits[..., model.draft_to_target_index()] if draft_vocab < V else logits
+    assert p_t.dtype == torch.float32 and torch.equal(p_t, torch.softmax(restricted.float(), dim=-1))
+    float32_distributions = [e for e in prof.events() if e.self_cpu_memory_usage == p_t.numel() * 4]
+    assert len(float32_distributions) == 1
+
+
 def test_ttt_loss_matches_a_hand_computation():
     # B = 1, S = 3, Vd = 2 (target ids 0 and 2 of V = 3), K = 2 steps, decay 0.5.
     d2t = torch.tensor([0, 1])
