@@ -124,6 +124,7 @@ class DraftKV:
         self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.tokens: torch.Tensor | None = None
         self.weight_h: torch.Tensor | None = None
+        self._float32: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     @property
     def length(self) -> int:
@@ -132,6 +133,30 @@ class DraftKV:
     def add_step0(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k0 = k if self.k0 is None else torch.cat([self.k0, k], dim=2)
         self.v0 = v if self.v0 is None else torch.cat([self.v0, v], dim=2)
+
+    def float32(self) -> Float32Keys:
+        """The keys and values as float32 copies without gradient, each made once while this cache holds its
+        tensor, unchanged: the CPU causal path (:class:`_CausalPlusDiagonal`) computes in float32, and every
+        unroll step reads the step-0 keys and each earlier step's, in forward and again in backward (converted
+        at each reading, a 7-step bf16 unroll made 112 conversions; now 14)."""
+        held = [self.k0, self.v0, *(t for pair in self.diag for t in pair)]
+        copies = {}
+        for t in held:
+            known = self._float32.get(id(t))
+            copies[id(t)] = known if known is not None and known[0] is t and known[1] == t._version \
+                else (t, t._version, in_float32(t.detach()))
+        self._float32 = copies  # copies of tensors this cache no longer holds go
+        k0, v0, *diag = (copies[id(t)][2] for t in held)
+        return Float32Keys(k0, v0, tuple(zip(diag[0::2], diag[1::2])))
+
+
+@attrs.frozen
+class Float32Keys:
+    """:meth:`DraftKV.float32`: float32 copies of ``k0``, ``v0`` and the diagonal pairs, without gradient."""
+
+    k0: torch.Tensor
+    v0: torch.Tensor
+    diag: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 #: ``mask0`` for right-padded training batches: step-0 keys visible causally (see :func:`ttt_attention`).
@@ -155,25 +180,32 @@ class _CausalPlusDiagonal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, scale: float,
-                query_start: tuple[int, ...], *diag: torch.Tensor) -> torch.Tensor:
+                query_start: tuple[int, ...], float32: tuple[torch.Tensor, ...] | None,
+                *diag: torch.Tensor) -> torch.Tensor:
+        # float32: k0, v0 and the diagonal keys and values (in diag's order) as float32 copies made once for
+        # every unroll step (DraftKV.float32), else each is converted here and again in backward
+        float32 = (k0, v0, *diag) if float32 is None else float32
+        k0_32, v0_32, *diag32 = (in_float32(t) for t in float32)
         groups = q.shape[1] // k0.shape[1]
-        out0, lse0 = _per_sample(cpu_causal_attention, query_start, in_float32(q), in_float32(k0), in_float32(v0),
-                                 scale=scale)
-        q32, keys, values = _grouped(in_float32(q), groups), diag[0::2], diag[1::2]
-        scores = [_diagonal_scores(q32, _kv_grouped(k), scale) for k in keys]  # [B, nh, S] each
+        q32 = in_float32(q)
+        out0, lse0 = _per_sample(cpu_causal_attention, query_start, q32, k0_32, v0_32, scale=scale)
+        q32, keys, values = _grouped(q32, groups), diag32[0::2], diag32[1::2]
+        scores = [_diagonal_scores(q32, k[:, :, None], scale) for k in keys]  # [B, nh, S] each
         lse = torch.logsumexp(torch.stack([lse0, *scores]), 0) if scores else lse0
         out = out0 * (lse0 - lse).exp_()[..., None]
         for s_j, v in zip(scores, values):
-            _grouped(out, groups).addcmul_(_grouped((s_j - lse).exp_()[..., None], groups), _kv_grouped(v))
+            _grouped(out, groups).addcmul_(_grouped((s_j - lse).exp_()[..., None], groups), v[:, :, None])
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)  # out in float32, as the kernels' backward reads it
+        ctx.float32 = (k0_32, v0_32, *diag32)  # what backward computes with (the saved inputs: autograd's guard)
+        ctx.dtypes = [t.dtype for t in (k0, v0, *diag)]
         ctx.scale, ctx.groups, ctx.query_start = scale, groups, query_start
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q_in, k0_in, v0_in, out, lse, *diag = ctx.saved_tensors
-        q, k0, v0 = in_float32(q_in), in_float32(k0_in), in_float32(v0_in)
-        scale, groups = ctx.scale, ctx.groups
+        q_in, _k0, _v0, out, lse, *_diag = ctx.saved_tensors
+        (k0, v0, *diag), (k0_dtype, v0_dtype, *diag_dtypes) = ctx.float32, ctx.dtypes
+        q, scale, groups = in_float32(q_in), ctx.scale, ctx.groups
         grad_out = in_float32(grad_out).contiguous()
         grad_q, grad_k0, grad_v0 = _per_sample(cpu_causal_attention_backward, ctx.query_start, grad_out, q, k0, v0,
                                                out, lse, scale=scale)
@@ -183,14 +215,15 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             q_g, dout_g = _grouped(q, groups), _grouped(grad_out, groups)
             grad_q_g = _grouped(grad_q, groups)  # the kernel's fresh float32 gradient, accumulated in place
             for k, v in zip(diag[0::2], diag[1::2]):
-                k32, v32 = _kv_grouped(k), _kv_grouped(v)
+                k32, v32 = k[:, :, None], v[:, :, None]
                 p_j = (_diagonal_scores(q_g, k32, scale) - lse).exp_()  # [B, nh, S]
                 d_score = p_j * (torch.linalg.vecdot(dout_g, v32).flatten(1, 2) - total) * scale
                 d_score_g = _grouped(d_score[..., None], groups)
                 grad_q_g.addcmul_(d_score_g, k32)
-                grads += [(d_score_g * q_g).sum(2).to(k.dtype),  # summed over the heads that share k and v
-                          (_grouped(p_j[..., None], groups) * dout_g).sum(2).to(v.dtype)]
-        return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, None, *grads)
+                grads += [(d_score_g * q_g).sum(2),  # summed over the heads that share k and v
+                          (_grouped(p_j[..., None], groups) * dout_g).sum(2)]
+            grads = [grad.to(dtype) for grad, dtype in zip(grads, diag_dtypes)]
+        return (grad_q.to(q_in.dtype), grad_k0.to(k0_dtype), grad_v0.to(v0_dtype), None, None, None, *grads)
 
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -199,17 +232,16 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unflatten(1, (x.shape[1] // groups, groups))
 
 
-def _kv_grouped(x: torch.Tensor) -> torch.Tensor:
-    """A key or value ``[B, nkv, S, d]`` as float32 ``[B, nkv, 1, S, d]``, to broadcast against :func:`_grouped`
-    query heads."""
-    return in_float32(x)[:, :, None]
-
-
 def _diagonal_scores(q_g: torch.Tensor, k_g: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale * q . k`` per query and head for one diagonal key per position: ``q_g [B, nkv, groups, S, d]``
-    (:func:`_grouped`, float32), ``k_g [B, nkv, 1, S, d]`` (:func:`_kv_grouped`) -> ``[B, nkv * groups, S]``, one
-    reduction, no copies."""
+    (:func:`_grouped`, float32), ``k_g [B, nkv, 1, S, d]`` (a float32 key, broadcast against the query heads that
+    share it) -> ``[B, nkv * groups, S]``, one reduction, no copies."""
     return torch.linalg.vecdot(q_g, k_g).flatten(1, 2).mul_(scale)
+
+
+def _cut(diag, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Diagonal pairs cut to their first ``length`` positions (those of the queries; see :func:`ttt_attention`)."""
+    return [(k[:, :, :length], v[:, :, :length]) if k.shape[2] != length else (k, v) for k, v in diag]
 
 
 def _per_sample(kernel, query_start: tuple[int, ...], *tensors: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
@@ -222,8 +254,8 @@ def _per_sample(kernel, query_start: tuple[int, ...], *tensors: torch.Tensor, **
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor | str | None,
-                  diag: list[tuple[torch.Tensor, torch.Tensor]],
-                  query_start: int | Sequence[int] = 0) -> torch.Tensor:
+                  diag: list[tuple[torch.Tensor, torch.Tensor]], query_start: int | Sequence[int] = 0,
+                  float32: Float32Keys | None = None) -> torch.Tensor:
     """Attention over step-0 keys (masked by ``mask0``) plus one diagonal key per extra step.
 
     q [B, nh, S, d]; k0, v0 [B, nkv, T, d]; mask0 [B|1, 1, S, T]: bool (True = visible), a
@@ -242,16 +274,21 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     ``query_start[b] .. query_start[b] + S - 1`` of its step-0 keys (a window of a training
     unroll's later steps, :meth:`Eagle3Draft.unroll`); ``mask0`` still covers every position
     (its rows are taken from there on), and each diagonal pair covers the queries' positions
-    (longer ones, from an earlier step of the same windows, are cut to S).
+    (longer ones, from an earlier step of the same windows, are cut to S). ``float32``: float32 copies of
+    ``k0``, ``v0`` and ``diag`` (:meth:`DraftKV.float32`), which the causal path then reads instead of
+    converting them.
     """
     length = q.shape[2]
     starts = (query_start,) * q.shape[0] if isinstance(query_start, int) else tuple(query_start)
-    diag = [(k[:, :, :length], v[:, :, :length]) if k.shape[2] != length else (k, v) for k, v in diag]
+    diag = _cut(diag, length)
     if isinstance(mask0, str):
         if q.device.type != "cpu":
             raise ValueError(f"mask0={mask0!r} runs on CPU's flash kernel; on {q.device.type} pass the additive "
                              "mask (additive_mask), built once per batch")
-        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, starts, *(t for pair in diag for t in pair))
+        copies = None if float32 is None else (float32.k0, float32.v0,
+                                               *(t for pair in _cut(float32.diag, length) for t in pair))
+        return _CausalPlusDiagonal.apply(q, k0, v0, q.shape[-1] ** -0.5, starts, copies,
+                                         *(t for pair in diag for t in pair))
     if mask0 is not None and mask0.shape[-2] != length:
         if len(set(starts)) == 1:
             mask0 = mask0[..., starts[0]:starts[0] + length, :]
@@ -343,7 +380,9 @@ def attend_with_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dra
         kv.add_step0(k, v)
     else:
         kv.diag.append((k, v))
-    return ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag, query_start)
+    # the CPU causal path computes in float32: half-precision keys are converted once for every step that reads them
+    float32 = kv.float32() if isinstance(mask0, str) and q.dtype in (torch.bfloat16, torch.float16) else None
+    return ttt_attention(q, kv.k0, kv.v0, mask0, kv.diag, query_start, float32)
 
 
 class Eagle3Attention(nn.Module):

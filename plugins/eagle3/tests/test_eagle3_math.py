@@ -16,8 +16,8 @@ from specforge_plugin_eagle3.export import EXPORT_KEYS
 from specforge_plugin_eagle3.head_loss import head_soft_cross_entropy
 from specforge_plugin_eagle3.loss import align, round_depth, tau_sim, ttt_loss, unroll_windows
 from specforge_core.nn import apply_rope
-from specforge_plugin_eagle3.model import (CAUSAL, UnrollWindows, additive_mask, repeat_kv, right_padded, shift_left,
-                                          take_rows, ttt_attention, ttt_key_mask)
+from specforge_plugin_eagle3.model import (CAUSAL, DraftKV, UnrollWindows, additive_mask, repeat_kv, right_padded,
+                                          shift_left, take_rows, ttt_attention, ttt_key_mask)
 from specforge_plugin_eagle3.strategy import Eagle3Strategy
 from specforge_plugin_eagle3.testing import V, tiny_batch, tiny_target
 from specforge_plugin_eagle3.vocab import VocabMappingError, build_vocab_mapping
@@ -137,6 +137,61 @@ def test_causal_attention_in_bfloat16_is_no_further_from_the_exact_result_than_t
             errors[name] = max(errors[name], *(float((g.float() - w).abs().max() / w.abs().max())
                                                for g, w in zip(got, exact)))
     assert 0 < errors["causal"] <= errors["bool"] < 2.0 ** -5
+
+
+def test_bfloat16_keys_read_from_the_caches_float32_copies_give_the_converting_paths_values_bit_for_bit():
+    """The CPU causal path with the keys' and values' float32 copies from :meth:`DraftKV.float32` (longer
+    diagonal pairs cut to the queries, a window of queries from position 2) gives the output and gradients of
+    the path that converts each one itself; the cache makes a copy once per tensor, and again for one changed
+    in place."""
+    gen = torch.Generator().manual_seed(7)
+    b, nh, nkv, s, d = 2, 4, 2, 9, 8
+    k0, v0 = (torch.randn(b, nkv, s, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    diag = [(torch.randn(b, nkv, n, d, generator=gen).to(torch.bfloat16),
+             torch.randn(b, nkv, n, d, generator=gen).to(torch.bfloat16)) for n in (7, 6)]
+    q = torch.randn(b, nh, 6, d, generator=gen).to(torch.bfloat16)
+    weights = torch.randn(b, nh, 6, d, generator=gen)
+    kv = DraftKV()
+    kv.add_step0(k0, v0)
+    kv.diag.extend(diag)
+    results = []
+    for float32 in (None, kv.float32()):
+        leaves = [t.clone().requires_grad_() for t in (q, k0, v0, *(t for pair in diag for t in pair))]
+        q_, k0_, v0_, *rest = leaves
+        out = ttt_attention(q_, k0_, v0_, CAUSAL, list(zip(rest[0::2], rest[1::2])), query_start=2, float32=float32)
+        results.append([out, *torch.autograd.grad((out.float() * weights).sum(), leaves)])
+    assert all(torch.equal(got, want) for got, want in zip(results[1], results[0]))
+    copies = kv.float32()
+    assert copies.k0.dtype == torch.float32 and torch.equal(copies.k0, k0.float())
+    assert kv.float32().k0 is copies.k0 and kv.float32().diag[1][0] is copies.diag[1][0]  # made once
+    k0.mul_(2)
+    assert kv.float32().k0 is not copies.k0 and torch.equal(kv.float32().k0, k0.float())
+
+
+def test_a_bfloat16_unroll_converts_each_key_and_value_to_float32_once_for_its_attention():
+    """Every unroll step's attention reads the step-0 keys and values and each earlier step's, in forward and in
+    backward; the CPU causal path computes in float32 and now converts each of them once. A 3-step bf16 unroll
+    converts tensors of the keys' shape 12 times: each step's key and value once for the attention, and its key
+    forward and its key's gradient backward in the rotary embedding (converted per reading, it was 30)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Conversions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16 \
+                    and out.dtype == torch.float32 and args[0].dim() == 4 and args[0].shape[1] == 2:
+                self.shapes.append(tuple(args[0].shape))
+            return out
+
+    info, frozen, strategy, model = tiny_draft(ttt_length=3, dtype="bfloat16")
+    _samples, batch = tiny_batch(strategy, info, lengths=(6, 6))
+    with Conversions() as seen:
+        strategy.forward_loss(model, batch, StepContext()).loss.backward()
+    assert sorted(seen.shapes) == [(2, 2, 2, 4)] * 4 + [(2, 2, 3, 4)] * 4 + [(2, 2, 6, 4)] * 4
 
 
 def test_causal_attention_is_refused_off_cpu_naming_what_to_pass_instead():
