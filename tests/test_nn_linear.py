@@ -386,3 +386,24 @@ def test_add_product_accumulates_a_product_in_place(dtype):
     got = sf_nn.add_product_(out, a, b)
     assert got is out and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-6)
+
+
+def test_a_half_product_added_to_a_float32_sum_is_made_a_block_of_rows_at_a_time(monkeypatch):
+    """A bf16 product added to a float32 sum (a strided ``a``, as the losses pass ``dz.t()``) is made and added a
+    block of rows at a time, the last one short: no tensor as large as the sum is made (the whole product and the
+    float32 copy ``add_`` promotes it to were each as large; at SmolLM2's sizes each mapped and faulted in anew),
+    and every row gets the product the whole GEMM gives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(sf_nn, "ADD_PRODUCT_BLOCK", 8 * 16)  # blocks of 8 rows of 16
+    gen = torch.Generator().manual_seed(4)
+    out = torch.randn(100, 16, generator=gen)
+    a, b = torch.randn(24, 100, generator=gen).to(torch.bfloat16).t(), torch.randn(24, 16, generator=gen).to(
+        torch.bfloat16)
+    want = out + (a @ b).float()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = sf_nn.add_product_(out, a, b)
+    assert got is out
+    torch.testing.assert_close(got, want, rtol=2.0 ** -8, atol=0)
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert 0 < largest <= 8 * 16 * 4  # a block's float32 copy; the whole product was 100 x 16
