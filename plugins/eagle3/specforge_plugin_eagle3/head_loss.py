@@ -56,14 +56,16 @@ class HeadGradSum:
     ``c_k S_k`` and nowhere else (the unrolled loss builds it so, :func:`.loss.ttt_loss`): on CPU each later step
     checks its ``g`` against the first's, and at the end of every backward pass (on any device) the sum checks
     that the pass reached each step that added to it. A step with ``c_k = 0`` adds nothing and is not counted. A
-    graph backpropagated again (``retain_graph``) hands the sum over again on its next pass.
+    graph backpropagated again (``retain_graph``) hands the sum over again on its next pass; passes are told apart
+    by autograd's graph task, so a pass refused midway (it never reaches its end) leaves nothing to the next.
     """
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
         self.steps = 0  # the steps that added to the sum
-        self._scale: torch.Tensor | None = None  # the running backward pass's g (None between passes)
-        self._reached = 0  # the steps the running pass has reached
+        self._pass: int | None = None  # autograd's graph task of the running backward pass
+        self._scale: torch.Tensor | None = None  # that pass's g
+        self._reached = 0  # the steps that pass has reached
 
     def add(self, dz: torch.Tensor, x: torch.Tensor, coefficient: float, dtype: torch.dtype) -> None:
         """``grad += coefficient * dz^T x``, the sum kept in ``dtype``."""
@@ -80,11 +82,13 @@ class HeadGradSum:
         if coefficient == 0 or self.grad is None:
             return None
         scale = grad_total / coefficient
-        self._reached += 1
-        if self._scale is None:  # the first step this pass reaches; the pass's end checks it reached them all
-            self._scale = scale
+        task = torch._C._current_graph_task_id()
+        if task != self._pass:  # the first step this pass reaches (told by the pass, as one that ended in an error
+            # never reached its end); the pass's end checks it reached them all
+            self._pass, self._scale, self._reached = task, scale, 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
             return (self.grad * scale.to(self.grad.dtype)).to(dtype)
+        self._reached += 1
         if scale.device.type == "cpu" and not torch.allclose(scale, self._scale, rtol=1e-4, atol=0):
             raise RuntimeError(
                 f"the unroll steps' head gradients are summed for a loss sum_k c_k S_k, but a step with c_k = "
@@ -93,7 +97,7 @@ class HeadGradSum:
         return None
 
     def _end_pass(self) -> None:
-        reached, self._scale, self._reached = self._reached, None, 0
+        reached, self._pass, self._scale, self._reached = self._reached, None, None, 0
         if reached != self.steps:
             raise RuntimeError(f"backward reached {reached} of the {self.steps} unroll steps whose head gradients "
                                f"were summed, and handed all {self.steps} steps' sum to the head: {_CONTRACT}")

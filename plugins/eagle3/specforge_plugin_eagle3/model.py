@@ -197,14 +197,13 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             _grouped(out, groups).addcmul_(_grouped((s_j - lse).exp_()[..., None], groups), v[:, :, None])
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)  # out in float32, as the kernels' backward reads it
         ctx.float32 = (k0_32, v0_32, *diag32)  # what backward computes with (the saved inputs: autograd's guard)
-        ctx.dtypes = [t.dtype for t in (k0, v0, *diag)]
         ctx.scale, ctx.groups, ctx.query_start = scale, groups, query_start
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q_in, _k0, _v0, out, lse, *_diag = ctx.saved_tensors
-        (k0, v0, *diag), (k0_dtype, v0_dtype, *diag_dtypes) = ctx.float32, ctx.dtypes
+        q_in, k0_in, v0_in, out, lse, *diag_in = ctx.saved_tensors
+        k0, v0, *diag = ctx.float32
         q, scale, groups = in_float32(q_in), ctx.scale, ctx.groups
         grad_out = in_float32(grad_out).contiguous()
         grad_q, grad_k0, grad_v0 = _per_sample(cpu_causal_attention_backward, ctx.query_start, grad_out, q, k0, v0,
@@ -222,8 +221,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
                 grad_q_g.addcmul_(d_score_g, k32)
                 grads += [(d_score_g * q_g).sum(2),  # summed over the heads that share k and v
                           (_grouped(p_j[..., None], groups) * dout_g).sum(2)]
-            grads = [grad.to(dtype) for grad, dtype in zip(grads, diag_dtypes)]
-        return (grad_q.to(q_in.dtype), grad_k0.to(k0_dtype), grad_v0.to(v0_dtype), None, None, None, *grads)
+            grads = [grad.to(t.dtype) for grad, t in zip(grads, diag_in)]
+        return (grad_q.to(q_in.dtype), grad_k0.to(k0_in.dtype), grad_v0.to(v0_in.dtype), None, None, None, *grads)
 
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -721,6 +721,29 @@ def test_a_step_loss_weighted_otherwise_than_its_coefficient_is_refused_in_backw
         torch.autograd.grad(total, weight)
 
 
+def test_a_backward_pass_after_a_refused_one_hands_the_summed_head_gradient_over_as_usual():
+    """A pass refused midway never reaches its end: the next pass over the same graph (retain_graph) starts
+    afresh instead of being checked against the refused pass's gradient, and the head gets the sum."""
+    from specforge_plugin_eagle3.head_loss import HeadGradSum, SoftTargets
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(9, 13, generator=gen, dtype=torch.float64), -1)
+    coefficients = (1.0, 0.5, 0.25)
+
+    def step_sums(shared):
+        return [head_soft_cross_entropy(torch.tanh(x[:rows] * (k + 1)), weight, SoftTargets(p[:rows], c, shared))[0]
+                for k, (rows, c) in enumerate(zip((9, 7, 4), coefficients))]
+
+    want = torch.autograd.grad(sum(c * s for c, s in zip(coefficients, step_sums(None))), weight)[0]
+    sums = step_sums(HeadGradSum())
+    with pytest.raises(RuntimeError, match="every step's loss must enter the total once"):
+        torch.autograd.grad(sum(w * s for w, s in zip((1.0, 0.5, 0.75), sums)), weight, retain_graph=True)
+    got = torch.autograd.grad(sum(c * s for c, s in zip(coefficients, sums)), weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("route", ["native", "fp32"])  # bf16 GEMMs (logits in a float32 scratch chunk) / float32 ones
 def test_the_fused_head_loss_in_bfloat16_matches_the_float32_one_and_keeps_bfloat16_gradients(half_gemm, route):
     from specforge_plugin_eagle3.head_loss import SoftTargets
