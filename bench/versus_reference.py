@@ -68,7 +68,9 @@ KERNELS = {
                                                "one state GEMM per step, backward by hand with each weight "
                                                "gradient as one GEMM over all steps (float32, and half precision "
                                                "on CPUs without bf16 GEMM instructions; torch's nn.GRU on those "
-                                               "with them)",
+                                               "with them); the per-step state GEMMs from one copy of W_hh's parts "
+                                               "a call, packed for oneDNN on AMD CPUs with AVX-512, transposed for "
+                                               "MKL elsewhere (specforge_core.nn.ReusedWeight)",
                                         "cuda": "nn.GRU (cuDNN)"},
                                "reference": {"cpu": "nn.GRU (aten's GRU cells, autograd through every step)",
                                              "cuda": "nn.GRU (cuDNN)"}}},

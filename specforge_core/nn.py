@@ -134,6 +134,95 @@ def half_gemm_route(flags: set[str], vendor: str) -> HalfGemmRoute:
 upcast_half_gemm_on_cpu.cache_clear = _half_gemm_choice.cache_clear  # type: ignore[attr-defined]
 
 
+#: ``SPECFORGE_CPU_FP32_GEMM``: ``onednn`` (the float32 GEMMs :func:`mm` and :class:`ReusedWeight` take, from
+#: :data:`ONEDNN_MIN_MACS` multiply-adds, run on oneDNN), ``torch`` (torch's own kernel, MKL where torch has it),
+#: or unset (oneDNN on AMD CPUs with AVX-512, see :func:`onednn_float32`).
+FP32_GEMM_ENV = "SPECFORGE_CPU_FP32_GEMM"
+#: The fewest multiply-adds (rows x K x N) of a float32 GEMM that :func:`mm` and :class:`ReusedWeight` run on
+#: oneDNN: oneDNN's fixed cost per call lost to MKL below about this many.
+ONEDNN_MIN_MACS = 1 << 23
+
+
+@torch.compiler.assume_constant_result
+def onednn_float32() -> bool:
+    """Whether the float32 GEMMs that :func:`mm` and :class:`ReusedWeight` take run on oneDNN instead of torch's
+    own kernel (MKL).
+
+    On AMD's Zen 4 (one core), oneDNN's GEMM ran 5-17% faster than MKL's alone on the train steps' shapes from
+    about :data:`ONEDNN_MIN_MACS` multiply-adds on, with a row-major left operand (1024 x 128 x 1536: 95 GF/s
+    against 81; 64 rows through a packed 1024 x 512: 111 against 88); smaller ones lost to its fixed cost
+    (one row through 576 x 576: 0.78 of MKL's speed), and a transposed left operand to the copy oneDNN
+    makes of it. Only the GRU's products take it: routing every float32 linear layer there as well moved
+    the bench's DFlash, DSpark and EAGLE3 steps by -0.6% to +0.9%. On Intel CPUs MKL was the faster
+    (:class:`FrozenHead`), so they, other CPUs, CUDA and a torch without oneDNN keep torch's kernel.
+    ``SPECFORGE_CPU_FP32_GEMM=onednn|torch`` overrides. Decided once per process
+    (``onednn_float32.cache_clear()`` forgets it), and a constant of a compiled graph.
+    """
+    return _onednn_float32_choice()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_float32_choice() -> bool:
+    choice = _env_choice(FP32_GEMM_ENV, ("onednn", "torch"))
+    if not (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled):
+        return False
+    if choice:
+        return choice == "onednn"
+    cpu = _cpu_identity()
+    return cpu is not None and cpu[1] == "AuthenticAMD" and "avx512f" in cpu[0]
+
+
+onednn_float32.cache_clear = _onednn_float32_choice.cache_clear  # type: ignore[attr-defined]
+
+
+def _on_onednn(a: torch.Tensor, b: torch.Tensor, cols: int, rows: int | None = None) -> bool:
+    """Whether the float32 product of ``a [.., K]`` (or ``rows`` rows of its width) and ``b`` (``cols`` output
+    columns) runs on oneDNN."""
+    macs = a.numel() * cols if rows is None else rows * a.shape[-1] * cols
+    return a.dtype == torch.float32 and b.dtype == torch.float32 and a.device.type == "cpu" \
+        and (rows is not None or a.is_contiguous()) and macs >= ONEDNN_MIN_MACS and onednn_float32() \
+        and not torch.compiler.is_compiling()
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 2-D ``a [M, K]`` and ``b [K, N]``, on oneDNN where :func:`onednn_float32` holds and it is large
+    enough; torch's own product otherwise. Not differentiable on oneDNN: for autograd functions' own GEMMs."""
+    if _on_onednn(a, b, b.shape[-1]):
+        return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+    return a @ b
+
+
+class ReusedWeight:
+    """A float32 weight ``W [N, K]`` that many products ``x @ W.T`` of one call share (a recurrent weight, over a
+    sequence's steps), held as each product's kernel wants it: packed once for oneDNN where :func:`onednn_float32`
+    holds and the products are large enough, else ``W.T`` contiguous for torch's GEMM (MKL took an M-row GEMM
+    against the transposed view at 122 GF/s and against the copy at 168, M 64, 512 x 1024, one Xeon core). On
+    one Zen 4 core, 64 rows through 1024 x 512 ran at 111 GF/s from oneDNN's packed copy against MKL's 88;
+    packing cost 0.27 ms, about what one product saves."""
+
+    def __init__(self, weight: torch.Tensor, rows: int) -> None:
+        """``rows``: the rows of each product, which decide whether it is large enough for oneDNN."""
+        self._packed = None
+        if _on_onednn(weight, weight, weight.shape[0], rows):  # packed from a strided view as it is
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        else:
+            self._t = weight.t().contiguous()
+
+    def product(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``add + x @ W.T`` (``add`` broadcast to the product's shape), a new tensor."""
+        if self._packed is None:
+            return torch.mm(x, self._t) if add is None else torch.addmm(add, x, self._t)
+        out = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        return out if add is None else out.add_(add)
+
+    def add_product_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += x @ W.T`` in place (torch's GEMM accumulates into ``out`` itself)."""
+        if self._packed is None:
+            return out.addmm_(x, self._t)
+        return out.add_(torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], ""))
+
+
 #: Rows of an upcast linear are converted a chunk at a time, about this many float32 elements per chunk
 #: (256 KiB), so the float32 copies an upcast GEMM makes stay that small, not the size of its input...
 UPCAST_CHUNK_ELEMENTS = 1 << 16

@@ -407,3 +407,103 @@ def test_a_half_product_added_to_a_float32_sum_is_made_a_block_of_rows_at_a_time
     torch.testing.assert_close(got, want, rtol=2.0 ** -8, atol=0)
     largest = max(e.self_cpu_memory_usage for e in prof.events())
     assert 0 < largest <= 8 * 16 * 4  # a block's float32 copy; the whole product was 100 x 16
+
+
+ONEDNN_HERE = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+
+
+class _Products(TorchDispatchMode):
+    """The GEMM kernels called under it, by name: oneDNN's and torch's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.called: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func).split(".")[1] if str(func).startswith("aten.") else str(func).split(".")[0]
+        if name in ("mm", "addmm", "addmm_", "mkldnn"):
+            self.called.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not ONEDNN_HERE, reason="needs an x86-64 torch with oneDNN")
+@pytest.mark.parametrize("env, flags, vendor, onednn", [
+    ("", {"avx2", "avx512f"}, "AuthenticAMD", True),  # Zen 4: oneDNN 5-17% faster than MKL
+    ("", {"avx2", "fma"}, "AuthenticAMD", False),  # no AVX-512 (Zen 3): not measured, torch's kernel
+    ("", {"avx2", "avx512f", "amx_bf16"}, "GenuineIntel", False),  # MKL the faster on Intel
+    ("", set(), "", False),  # no x86 flags to go by
+    ("onednn", set(), "GenuineIntel", True),
+    ("torch", {"avx2", "avx512f"}, "AuthenticAMD", False),
+])
+def test_the_float32_gemm_route_follows_the_cpu_and_the_environment(float32_gemm, monkeypatch, env, flags, vendor,
+                                                                    onednn):
+    monkeypatch.setattr(sf_nn, "_cpu_identity", lambda: (flags, vendor))
+    float32_gemm(env)
+    assert sf_nn.onednn_float32() is onednn
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on toggling oneDNN
+def test_the_float32_gemm_route_needs_onednn_and_refuses_a_misspelt_choice(float32_gemm):
+    float32_gemm("onednn")
+    with torch.backends.mkldnn.flags(enabled=False):
+        sf_nn.onednn_float32.cache_clear()
+        assert sf_nn.onednn_float32() is False
+    float32_gemm("mkl")
+    with pytest.raises(ValueError, match="^SPECFORGE_CPU_FP32_GEMM='mkl': expected onednn or torch, or unset$"):
+        sf_nn.onednn_float32()
+
+
+@pytest.mark.skipif(not ONEDNN_HERE, reason="needs an x86-64 torch with oneDNN")
+def test_mm_takes_large_row_major_float32_products_to_onednn_and_leaves_the_rest_to_torch(float32_gemm):
+    """Routed: a product of at least ONEDNN_MIN_MACS multiply-adds with a row-major left operand runs on oneDNN,
+    with torch's values to float32 rounding; a smaller one, a transposed left operand (which oneDNN would copy),
+    float64 and the torch route stay torch's own product, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(128, 256, generator=gen), torch.randn(256, 256, generator=gen)  # exactly 2^23 MACs
+    assert a.shape[0] * a.shape[1] * b.shape[1] == sf_nn.ONEDNN_MIN_MACS
+    float32_gemm("onednn")
+    cases = [(a, b, "mkldnn"), (a[:127], b, "mm"), (a.t().contiguous().t(), b, "mm"), (a.double(), b.double(), "mm")]
+    for left, right, kernel in cases:
+        with _Products() as products:
+            got = sf_nn.mm(left, right)
+        assert products.called == [kernel]
+        if kernel == "mm":
+            assert torch.equal(got, left @ right)
+        else:
+            assert got.shape == (128, 256) and got.is_contiguous()
+            torch.testing.assert_close(got, (left.double() @ right.double()).float(), rtol=1e-5, atol=1e-4)
+    float32_gemm("torch")
+    with _Products() as products:
+        got = sf_nn.mm(a, b)
+    assert products.called == ["mm"] and torch.equal(got, a @ b)
+
+
+@pytest.mark.parametrize("route", ["onednn", "torch"])
+def test_a_reused_weight_gives_its_products_and_sums_from_one_packed_or_transposed_copy(float32_gemm, route):
+    """A weight many products of one call share is held once as their kernel wants it: packed for oneDNN where
+    the float32 route is oneDNN's and each product is large enough, else transposed for torch's GEMM, whose
+    products and in-place sums are then torch's bit for bit. A strided view (a transposed weight) is taken
+    as it is."""
+    if route == "onednn" and not ONEDNN_HERE:
+        pytest.skip("needs an x86-64 torch with oneDNN")
+    float32_gemm(route)
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(512, 256, generator=gen) * 0.05
+    x, add = torch.randn(64, 512, generator=gen), torch.randn(64, 256, generator=gen)
+    weight = base.t()  # [N 256, K 512], strided
+    kernel = "mkldnn" if route == "onednn" else "mm"
+    reused = sf_nn.ReusedWeight(weight, rows=64)
+    small = sf_nn.ReusedWeight(weight, rows=63)  # 63 x 512 x 256 < 2^23: torch's kernel on either route
+    with _Products() as products:
+        plain, summed = reused.product(x), reused.product(x, add=add)
+        accumulated = reused.add_product_(add.clone(), x)
+        small_product = small.product(x[:63])
+    assert products.called == ([kernel] if route == "onednn" else ["mm"]) + \
+        ([kernel] if route == "onednn" else ["addmm"]) + ([kernel] if route == "onednn" else ["addmm_"]) + ["mm"]
+    want = (x.double() @ base.double()).float()
+    for got in (plain, summed - add, accumulated - add):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(small_product, x[:63] @ base)
+    if route == "torch":
+        assert torch.equal(plain, x @ base) and torch.equal(summed, torch.addmm(add, x, base))
+        assert torch.equal(accumulated, add.clone().addmm_(x, base))

@@ -6,7 +6,10 @@
   also installed as the process-wide manager for the duration of the test;
 * ``half_gemm`` — ``half_gemm("fp32" | "native" | "")`` chooses how half-precision GEMMs run
   on CPU (``SPECFORGE_CPU_HALF_GEMM``, :func:`specforge_core.nn.upcast_half_gemm_on_cpu`) for
-  one test, whatever the machine's CPU would choose.
+  one test, whatever the machine's CPU would choose;
+* ``float32_gemm`` — ``float32_gemm("onednn" | "torch" | "")`` likewise for the float32 GEMMs that
+  :func:`specforge_core.nn.mm` and :class:`specforge_core.nn.ReusedWeight` take
+  (``SPECFORGE_CPU_FP32_GEMM``, :func:`specforge_core.nn.onednn_float32`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ def half_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]
         sf_nn.upcast_half_gemm_on_cpu.cache_clear()  # the choice is cached per process
     yield choose
     sf_nn.upcast_half_gemm_on_cpu.cache_clear()
+
+
+@pytest.fixture
+def float32_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """``float32_gemm("onednn" | "torch" | "")``: sets ``SPECFORGE_CPU_FP32_GEMM`` for the test and forgets the
+    cached choice (:func:`specforge_core.nn.onednn_float32`), before and after."""
+    from .. import nn as sf_nn
+
+    def choose(value: str) -> None:
+        monkeypatch.setenv(sf_nn.FP32_GEMM_ENV, value)
+        sf_nn.onednn_float32.cache_clear()
+    yield choose
+    sf_nn.onednn_float32.cache_clear()
 
 
 @pytest.fixture

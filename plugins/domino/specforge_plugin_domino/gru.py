@@ -4,7 +4,7 @@ The gates are PyTorch's (r, z, n in that order, as in ``weight_ih_l0`` / ``weigh
 
     gi_t = W_ih x_t                          one GEMM over all T steps at once: [T·M, H] x [H, 3g]
     gh_t = W_hh h_{t-1}                      per step (none at t = 0 from zeros): r and z's rows added onto
-                                             gi_t by the GEMM itself (addmm), n's apart (it is kept)
+                                             gi_t, n's apart (it is kept)
     r, z = σ(gi_r + gh_r), σ(gi_z + gh_z)
     n    = tanh(gi_n + r ⊙ gh_n)
     h_t  = n + z ⊙ (h_{t-1} − n)             = (1 − z) ⊙ n + z ⊙ h_{t-1}
@@ -19,6 +19,10 @@ gates' derivatives are torch's own ``tanh_backward`` and ``sigmoid_backward``, a
 instead of 80 with the ops written out one by one). ``tanh`` runs as ``2 σ(2x) - 1`` (:func:`_tanh`):
 torch's CPU ``tanh`` is six times slower than its ``sigmoid`` (about 1 ms of the bench's Domino step).
 A sequence that starts from zeros skips the first step's ``W_hh`` GEMM in both directions.
+The per-step GEMMs of a call share one copy of each part of ``W_hh``
+(:class:`specforge_core.nn.ReusedWeight`): packed for oneDNN where float32 GEMMs go there
+(:func:`specforge_core.nn.onednn_float32`, AMD's Zen 4: 64 rows through 1024 x 512 at 111 GF/s against
+MKL's 88, the bench's GRU 66-68 ms instead of 67-70), else transposed for torch's GEMM.
 The gate arithmetic and the state run in float32 (float64 for float64 inputs); the GEMMs run
 in the weights' dtype, or in float32 for half precision on CPUs without bf16 GEMM instructions
 (:func:`specforge_core.nn.upcasts`); the states are rounded to the input's dtype once, at the
@@ -31,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specforge_core.nn import half_gemm_far_slower, upcasts
+from specforge_core.nn import ReusedWeight, half_gemm_far_slower, mm, upcasts
 
 
 class _Precision:
@@ -43,7 +47,7 @@ class _Precision:
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a @ b`` computed in ``gemm``, returned in ``acc``."""
-        return (a.to(self.gemm) @ b.to(self.gemm)).to(self.acc)
+        return mm(a.to(self.gemm), b.to(self.gemm)).to(self.acc)
 
 
 def _tanh(x: torch.Tensor, out: torch.Tensor, minus_one: torch.Tensor) -> None:
@@ -74,38 +78,43 @@ class _GRUSequence(torch.autograd.Function):
         x = x.contiguous()  # time-major rows: step t is rows t·M .. (t+1)·M
         gi = prec.mm(x.view(-1, width), w_ih_g.t()).view(steps, rows, 3 * g)
         out = gi.new_empty(steps, rows, g)
-        rz_all, n_all = gi.new_empty(steps, rows, 2 * g), gi.new_empty(steps, rows, g)
-        ghn_all = gi.new_empty(steps, rows, g)  # gh_n, of the steps with a state before them (no GEMM from zeros)
-        # the state runs in acc; W_hh^T is copied contiguous: a GEMM of M rows against a transposed view ran at
-        # 122 GF/s where the same against the copy ran at 168 (M 64, 512 x 1024, one Xeon core)
-        w_rz, w_n = (w.to(prec.acc).t().contiguous() for w in (w_hh_g[:2 * g], w_hh_g[2 * g:]))
+        # per step: r|z, n, and gh_n (none for a step from zeros); the state runs in acc, and W_hh's two parts are
+        # held as the per-step GEMMs want them (ReusedWeight: packed for oneDNN, or transposed copies for torch's)
+        rz_all, n_all, ghn_all = [], [], []
+        w_rz, w_n = (ReusedWeight(w.to(prec.acc), rows) for w in (w_hh_g[:2 * g], w_hh_g[2 * g:]))
         h = None if h0 is None else h0.to(prec.acc)
         minus_one = gi.new_full((), -1.0)
         for t in range(steps):
-            gi_t, rz, n = gi[t], rz_all[t], n_all[t]
+            gi_t = gi[t]
             if h is None:  # from zeros: gh = 0, h_t = (1 - z) n
-                torch.sigmoid(gi_t[:, :2 * g], out=rz)
+                rz = torch.sigmoid(gi_t[:, :2 * g])
+                n = gi.new_empty(rows, g)
                 _tanh(gi_t[:, 2 * g:], n, minus_one)
                 torch.addcmul(n, rz[:, g:], n, value=-1, out=out[t])
             else:
-                torch.addmm(gi_t[:, :2 * g], h, w_rz, out=rz).sigmoid_()  # r, z = σ(gi + W_hh h)
-                torch.mm(h, w_n, out=ghn_all[t])
-                _tanh(torch.addcmul(gi_t[:, 2 * g:], rz[:, :g], ghn_all[t], out=n), n, minus_one)
+                rz = w_rz.product(h, add=gi_t[:, :2 * g]).sigmoid_()  # r, z = σ(gi + W_hh h)
+                ghn_all.append(w_n.product(h))
+                n = torch.addcmul(gi_t[:, 2 * g:], rz[:, :g], ghn_all[-1])
+                _tanh(n, n, minus_one)
                 torch.lerp(n, h, rz[:, g:], out=out[t])  # n + z (h - n)
+            rz_all.append(rz)
+            n_all.append(n)
             h = out[t]
-        ctx.save_for_backward(x, w_ih_g, w_hh_g, None if h0 is None else h0.to(prec.acc), out, rz_all, n_all,
-                              ghn_all)
+        ctx.save_for_backward(x, w_ih_g, w_hh_g, None if h0 is None else h0.to(prec.acc), out, *rz_all, *n_all,
+                              *ghn_all)
         ctx.prec = prec
         ctx.dtypes = (x.dtype, w_ih.dtype, w_hh.dtype, None if h0 is None else h0.dtype)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, w_ih, w_hh, h0, out, rz_all, n_all, ghn_all = ctx.saved_tensors
+        x, w_ih, w_hh, h0, out, *per_step = ctx.saved_tensors
         prec = ctx.prec
         steps, rows, g = out.shape
+        rz_all, n_all, ghn_all = per_step[:steps], per_step[steps:2 * steps], per_step[2 * steps:]
+        first = 0 if h0 is not None else 1  # the first step with a state before it (gh_n kept from it on)
         grad_out = grad_out.to(prec.acc)
-        w_state = w_hh.to(prec.acc)
+        w_state = ReusedWeight(w_hh.to(prec.acc).t(), rows)  # d h_{t-1} = d(r|z|gh_n) W_hh
         grads = out.new_empty(steps, rows, 4 * g)  # per step: d n | d r | d z (pre-activations) | d gh_n
         d = grad_out[steps - 1]  # the gradient reaching h_t: its own and, through the later steps, theirs
         dh0 = None
@@ -121,14 +130,15 @@ class _GRUSequence(torch.autograd.Function):
                 drz[:, :g] = 0
                 dghn.zero_()
             else:
-                torch.mul(dn, ghn_all[t], out=drz[:, :g])
+                torch.mul(dn, ghn_all[t - first], out=drz[:, :g])
                 torch.sub(h_prev, n, out=drz[:, g:]).mul_(d)
                 torch.mul(dn, rz[:, :g], out=dghn)
             torch.ops.aten.sigmoid_backward.grad_input(drz, rz, grad_input=drz)  # in place: σ' = σ (1 - σ)
             if h_prev is None:
                 continue
             # the gradient reaching h_{t-1}: its own, the direct path through z, and W_hh's
-            d = (torch.addcmul(grad_out[t - 1], d, rz[:, g:]) if t > 0 else d * rz[:, g:]).addmm_(step[:, g:], w_state)
+            d = w_state.add_product_(torch.addcmul(grad_out[t - 1], d, rz[:, g:]) if t > 0 else d * rz[:, g:],
+                                     step[:, g:])
             if t == 0:
                 dh0 = d
         result: list[torch.Tensor | None] = [None, None, None, None]
@@ -141,7 +151,6 @@ class _GRUSequence(torch.autograd.Function):
             result[1] = torch.cat([nrz[g:], nrz[:g]]).to(ctx.dtypes[1])  # back to r, z, n
         if ctx.needs_input_grad[2]:
             # every step that had a state before it, at once: [3g, T'·M] x [T'·M, g]
-            first = 0 if h0 is not None else 1
             prev = (out[:-1] if h0 is None else torch.cat([h0[None], out[:-1]])).reshape(-1, g)
             result[2] = prec.mm(grads[first:, :, g:].reshape(-1, 3 * g).t(), prev).to(ctx.dtypes[2])
         if h0 is not None and ctx.needs_input_grad[3]:

@@ -125,3 +125,58 @@ def test_bad_inputs_get_nn_grus_own_errors_on_the_fused_path():
         fused(torch.zeros(M, T, H), torch.zeros(1, 3, G))
     with pytest.raises(RuntimeError, match="input.size\\(-1\\) must be equal to input_size. Expected 7, got 8"):
         fused(torch.zeros(M, T, H + 1))
+
+
+@pytest.mark.parametrize("route", ["onednn", "torch"])
+def test_the_float32_gru_takes_its_per_step_products_from_one_copy_of_w_hh_packed_for_onednn_where_routed(
+        float32_gemm, route):
+    """Where float32 GEMMs go to oneDNN (AMD's Zen 4), the state GEMMs of every step share one copy of each part
+    of W_hh packed for it, in forward (r|z and n) and backward (W_hh itself), and the input GEMM runs there too;
+    the gradients of the input and the weights, whose left operands are strided views, stay torch's. The values are nn.GRU's to float32
+    rounding on either route."""
+    import platform
+
+    if route == "onednn" and not (platform.machine().lower() in ("x86_64", "amd64")
+                                  and torch.backends.mkldnn.is_available()):
+        pytest.skip("needs an x86-64 torch with oneDNN")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name.startswith(("aten.mm.", "aten.addmm", "mkldnn._linear_pointwise", "mkldnn._reorder")):
+                self.called.append(name.split(".")[1])
+            return func(*args, **(kwargs or {}))
+
+    float32_gemm(route)
+    rows, steps, width, hidden = 64, 4, 32, 512  # each state GEMM at least 2^23 multiply-adds
+    torch.manual_seed(0)
+    plain = torch.nn.GRU(width, hidden, bias=False, batch_first=True).double()
+    fused = FusedGRU(width, hidden)
+    fused.load_state_dict(plain.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, steps, width, generator=gen, dtype=torch.float64)
+    grad_states = torch.randn(rows, steps, hidden, generator=gen, dtype=torch.float64)
+    xf = x.float().requires_grad_()
+    with Products() as forward:
+        states, _ = fused(xf)
+    with Products() as backward:
+        grads = torch.autograd.grad((states * grad_states.float()).sum(), (xf, fused.weight_ih_l0, fused.weight_hh_l0))
+    if route == "onednn":  # the input GEMM, then two packed copies and the two products of every later step
+        assert forward.called == ["_linear_pointwise", "_reorder_linear_weight", "_reorder_linear_weight"] + \
+            ["_linear_pointwise"] * 2 * (steps - 1)
+        assert backward.called.count("_reorder_linear_weight") == 1  # W_hh, once for every step
+        assert backward.called.count("_linear_pointwise") == steps - 1  # the states' gradients
+        assert backward.called.count("mm") == 3  # the input's and both weights' gradients: strided operands
+    else:
+        assert "_linear_pointwise" not in forward.called + backward.called
+    xd = x.clone().requires_grad_()
+    want_states, _ = plain(xd)
+    want = torch.autograd.grad((want_states * grad_states).sum(), (xd, plain.weight_ih_l0, plain.weight_hh_l0))
+    assert (states.double() - want_states).abs().max() <= 1e-5 * want_states.abs().max()
+    for got, expected in zip(grads, want):
+        assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
