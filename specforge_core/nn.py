@@ -194,9 +194,9 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class ReusedWeight:
-    """A float32 weight ``W [N, K]`` that many products ``x @ W.T`` of one call share (a recurrent weight, over a
-    sequence's steps), held as each product's kernel wants it: packed once for oneDNN where :func:`onednn_float32`
-    holds and the products are large enough, else ``W.T`` contiguous for torch's GEMM (MKL took an M-row GEMM
+    """A weight ``W [N, K]`` that many products ``x @ W.T`` of one call share (a recurrent weight, over a
+    sequence's steps), held as each product's kernel wants it: packed once for oneDNN where it is float32,
+    :func:`onednn_float32` holds and the products are large enough, else ``W.T`` contiguous for torch's GEMM (MKL took an M-row GEMM
     against the transposed view at 122 GF/s and against the copy at 168, M 64, 512 x 1024, one Xeon core). On
     one Zen 4 core, 64 rows through 1024 x 512 ran at 111 GF/s from oneDNN's packed copy against MKL's 88;
     packing cost 0.27 ms, about what one product saves."""
