@@ -49,6 +49,11 @@ _NOT_READY = ("the database system is starting up", "the database system is shut
               "the database system is not accepting connections")
 
 
+#: What libpq says of a connection the server closed before it was made: a server going down or restarting (a fast
+#: shutdown cuts connections mid-handshake, as does a client frozen across one and woken after it).
+_CUT = "server closed the connection unexpectedly"
+
+
 def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUnavailableError:
     """The message for a failed connection attempt: what happened and what to check."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -68,6 +73,10 @@ def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUna
     elif getattr(exc, "sqlstate", None) == "57P03" or any(state in low for state in _NOT_READY):
         return PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server is starting up, "
                                      "shutting down or recovering: try again once it accepts connections")
+    elif _CUT in low:
+        return PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server closed the "
+                                     "connection while it was being made, as one going down or restarting does: "
+                                     "try again once it accepts connections")
     else:
         hint = "check control_plane.dsn and that the server is up"
     return PostgresUnavailableError(f"cannot connect to PostgreSQL at {address}: {text}; {hint}")
@@ -123,8 +132,9 @@ class Database:
         self.closed_message = closed_message
         self.reconnects = 0
         self._lock = threading.RLock()
-        # A server that answers it is starting up or recovering (a restart under way) is waited
-        # for, like a lost connection; one that is not there at all is an error at once.
+        # A server that answers it is starting up or recovering, or cuts the connection while it is being
+        # made (a restart under way), is waited for, like a lost connection; one that is not there at all
+        # is an error at once.
         deadline = time.monotonic() + reconnect_timeout_s
         while True:
             try:

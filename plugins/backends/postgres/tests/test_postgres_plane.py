@@ -274,6 +274,82 @@ def test_a_server_not_taking_connections_yet_is_waited_for_up_to_the_reconnect_t
         plane.close()
 
 
+class _CuttingProxy:
+    """A TCP relay on loopback in front of the real server that closes the first ``cuts`` connections as soon as it
+    accepts them, before any byte, as a server going down mid-handshake does (a fast shutdown, or a client frozen
+    across a restart and woken after it: libpq then reports "server closed the connection unexpectedly"), and relays
+    every later one to the server. It stands in for that moment of a restart, which cannot be timed on a real one."""
+
+    def __init__(self, port: int, cuts: int) -> None:
+        import threading
+
+        self.cut, self._cuts, self._port = 0, cuts, port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self.cut < self._cuts:
+                self.cut += 1
+                client.close()
+                continue
+            server = socket.create_connection(("127.0.0.1", self._port))
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _relay(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                end.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_connection_the_server_cuts_while_it_is_made_is_tried_again_as_a_restart_under_way(postgres, schema):
+    """A rank that opens its control plane as the server restarts (CI saw one frozen mid-handshake across a restart)
+    hears the connection cut before it is made: that is a server going down or coming back, waited for up to the
+    reconnect timeout like "the database system is starting up", not refused at once as a server that is not
+    there. Past the timeout it says what it heard and why it waited."""
+    proxy = _CuttingProxy(postgres.port, cuts=3)
+    try:
+        dsn = postgres.dsn_for("specforge").replace(f":{postgres.port}/", f":{proxy.port}/")
+        plane = _open_with_dsn(dsn, schema=schema, reconnect_timeout_s=30)
+        try:
+            assert proxy.cut == 3  # three attempts cut, the fourth made
+            plane.metadata.commit(sample_refs(2))
+            assert plane.metadata.stats()["committed"] == 2
+        finally:
+            plane.close()
+    finally:
+        proxy.close()
+    always = _CuttingProxy(postgres.port, cuts=10**9)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PostgresNotReadyError, match=r"cannot connect to PostgreSQL at .*server closed the "
+                                                        r"connection unexpectedly.*; the server closed the connection "
+                                                        r"while it was being made, as one going down or restarting "
+                                                        r"does: try again once it accepts connections$"):
+            _open_with_dsn(f"postgresql://specforge@127.0.0.1:{always.port}/specforge", schema=schema,
+                           reconnect_timeout_s=1)
+        assert 1 <= time.monotonic() - start < 8 and always.cut >= 2  # it kept trying, then said why it stopped
+    finally:
+        always.close()
+
+
 def test_a_consumer_restates_its_consumed_count_once_reconnected(fresh_postgres, schema):
     producer = open_plane(fresh_postgres, schema, role="producer", high_watermark=4, low_watermark=2)
     consumer = open_plane(fresh_postgres, schema, role="consumer", idle_timeout_s=60, poll_interval_s=0.2)
