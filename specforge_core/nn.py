@@ -176,19 +176,19 @@ def _onednn_float32_choice() -> bool:
 onednn_float32.cache_clear = _onednn_float32_choice.cache_clear  # type: ignore[attr-defined]
 
 
-def _on_onednn(a: torch.Tensor, b: torch.Tensor, cols: int, rows: int | None = None) -> bool:
-    """Whether the float32 product of ``a [.., K]`` (or ``rows`` rows of its width) and ``b`` (``cols`` output
-    columns) runs on oneDNN."""
-    macs = a.numel() * cols if rows is None else rows * a.shape[-1] * cols
+def _onednn_pays(a: torch.Tensor, b: torch.Tensor, macs: int) -> bool:
+    """Whether a float32 product of ``a`` and ``b`` of ``macs`` multiply-adds runs on oneDNN: not one autograd would
+    have to differentiate (oneDNN's product has no gradient), nor one being compiled."""
     return a.dtype == torch.float32 and b.dtype == torch.float32 and a.device.type == "cpu" \
-        and (rows is not None or a.is_contiguous()) and macs >= ONEDNN_MIN_MACS and onednn_float32() \
-        and not torch.compiler.is_compiling()
+        and macs >= ONEDNN_MIN_MACS and onednn_float32() and not torch.compiler.is_compiling() \
+        and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of 2-D ``a [M, K]`` and ``b [K, N]``, on oneDNN where :func:`onednn_float32` holds and it is large
-    enough; torch's own product otherwise. Not differentiable on oneDNN: for autograd functions' own GEMMs."""
-    if _on_onednn(a, b, b.shape[-1]):
+    """``a @ b`` of 2-D ``a [M, K]`` and ``b [K, N]``, on oneDNN where :func:`onednn_float32` holds, it is large
+    enough and ``a`` is row-major (a transposed one would cost oneDNN a copy); torch's own product otherwise,
+    and wherever autograd records it."""
+    if a.is_contiguous() and _onednn_pays(a, b, a.shape[0] * a.shape[1] * b.shape[1]):
         return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
     return a @ b
 
@@ -196,15 +196,16 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class ReusedWeight:
     """A weight ``W [N, K]`` that many products ``x @ W.T`` of one call share (a recurrent weight, over a
     sequence's steps), held as each product's kernel wants it: packed once for oneDNN where it is float32,
-    :func:`onednn_float32` holds and the products are large enough, else ``W.T`` contiguous for torch's GEMM (MKL took an M-row GEMM
-    against the transposed view at 122 GF/s and against the copy at 168, M 64, 512 x 1024, one Xeon core). On
-    one Zen 4 core, 64 rows through 1024 x 512 ran at 111 GF/s from oneDNN's packed copy against MKL's 88;
-    packing cost 0.27 ms, about what one product saves."""
+    :func:`onednn_float32` holds and the products are large enough, else ``W.T`` contiguous for torch's GEMM
+    (MKL took an M-row GEMM against the transposed view at 122 GF/s and against the copy at 168, M 64, 512 x
+    1024, one Xeon core). On one Zen 4 core, 64 rows through 1024 x 512 ran at 111 GF/s from oneDNN's packed
+    copy against MKL's 88; packing cost 0.27 ms, about what one product saves. Not differentiable: for
+    autograd functions' own GEMMs."""
 
     def __init__(self, weight: torch.Tensor, rows: int) -> None:
         """``rows``: the rows of each product, which decide whether it is large enough for oneDNN."""
         self._packed = None
-        if _on_onednn(weight, weight, weight.shape[0], rows):  # packed from a strided view as it is
+        if _onednn_pays(weight, weight, rows * weight.shape[0] * weight.shape[1]):  # a strided view as it is
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         else:
             self._t = weight.t().contiguous()

@@ -238,15 +238,19 @@ MKL_PACKS_HERE = PACKS_HERE and torch.backends.mkl.is_available() and hasattr(to
 
 
 class _Kernels(TorchDispatchMode):
-    """The packed-GEMM kernels called under it, by name."""
+    """The GEMM kernels called under it, by name: MKL's and oneDNN's packed ones (``mkl``, ``mkldnn``) and torch's
+    own (``mm``, ``addmm``, ``addmm_``)."""
+
+    NAMES = {"mkl._mkl_linear.default": "mkl", "mkldnn._linear_pointwise.default": "mkldnn",
+             "aten.mm.default": "mm", "aten.addmm.default": "addmm", "aten.addmm_.default": "addmm_"}
 
     def __init__(self) -> None:
         super().__init__()
         self.called: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in ("mkl._mkl_linear.default", "mkldnn._linear_pointwise.default"):
-            self.called.append(str(func).split(".")[0])
+        if str(func) in self.NAMES:
+            self.called.append(self.NAMES[str(func)])
         return func(*args, **(kwargs or {}))
 
 
@@ -412,20 +416,6 @@ def test_a_half_product_added_to_a_float32_sum_is_made_a_block_of_rows_at_a_time
 ONEDNN_HERE = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
 
 
-class _Products(TorchDispatchMode):
-    """The GEMM kernels called under it, by name: oneDNN's and torch's own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.called: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func).split(".")[1] if str(func).startswith("aten.") else str(func).split(".")[0]
-        if name in ("mm", "addmm", "addmm_", "mkldnn"):
-            self.called.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.skipif(not ONEDNN_HERE, reason="needs an x86-64 torch with oneDNN")
 @pytest.mark.parametrize("env, flags, vendor, onednn", [
     ("", {"avx2", "avx512f"}, "AuthenticAMD", True),  # Zen 4: oneDNN 5-17% faster than MKL
@@ -457,14 +447,14 @@ def test_the_float32_gemm_route_needs_onednn_and_refuses_a_misspelt_choice(float
 def test_mm_takes_large_row_major_float32_products_to_onednn_and_leaves_the_rest_to_torch(float32_gemm):
     """Routed: a product of at least ONEDNN_MIN_MACS multiply-adds with a row-major left operand runs on oneDNN,
     with torch's values to float32 rounding; a smaller one, a transposed left operand (which oneDNN would copy),
-    float64 and the torch route stay torch's own product, bit for bit."""
+    float64, one autograd records and the torch route stay torch's own product, bit for bit."""
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(128, 256, generator=gen), torch.randn(256, 256, generator=gen)  # exactly 2^23 MACs
     assert a.shape[0] * a.shape[1] * b.shape[1] == sf_nn.ONEDNN_MIN_MACS
     float32_gemm("onednn")
     cases = [(a, b, "mkldnn"), (a[:127], b, "mm"), (a.t().contiguous().t(), b, "mm"), (a.double(), b.double(), "mm")]
     for left, right, kernel in cases:
-        with _Products() as products:
+        with _Kernels() as products:
             got = sf_nn.mm(left, right)
         assert products.called == [kernel]
         if kernel == "mm":
@@ -472,8 +462,17 @@ def test_mm_takes_large_row_major_float32_products_to_onednn_and_leaves_the_rest
         else:
             assert got.shape == (128, 256) and got.is_contiguous()
             torch.testing.assert_close(got, (left.double() @ right.double()).float(), rtol=1e-5, atol=1e-4)
+    # a product autograd records stays torch's, differentiable (oneDNN's has no gradient)
+    leaf = a.clone().requires_grad_()
+    with _Kernels() as products:
+        recorded = sf_nn.mm(leaf, b)
+    assert products.called == ["mm"] and recorded.grad_fn is not None
+    torch.testing.assert_close(torch.autograd.grad(recorded.sum(), leaf)[0], b.sum(1).expand(128, -1))
+    with torch.no_grad(), _Kernels() as products:
+        sf_nn.mm(leaf, b)
+    assert products.called == ["mkldnn"]
     float32_gemm("torch")
-    with _Products() as products:
+    with _Kernels() as products:
         got = sf_nn.mm(a, b)
     assert products.called == ["mm"] and torch.equal(got, a @ b)
 
@@ -494,7 +493,7 @@ def test_a_reused_weight_gives_its_products_and_sums_from_one_packed_or_transpos
     kernel = "mkldnn" if route == "onednn" else "mm"
     reused = sf_nn.ReusedWeight(weight, rows=64)
     small = sf_nn.ReusedWeight(weight, rows=63)  # 63 x 512 x 256 < 2^23: torch's kernel on either route
-    with _Products() as products:
+    with _Kernels() as products:
         plain, summed = reused.product(x), reused.product(x, add=add)
         accumulated = reused.add_product_(add.clone(), x)
         small_product = small.product(x[:63])

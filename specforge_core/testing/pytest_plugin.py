@@ -29,15 +29,22 @@ def fake_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeSite]:
     site.cleanup()
 
 
+def _switch(monkeypatch: pytest.MonkeyPatch, variable: str, choice: Callable[[], object]) -> Iterator[
+        Callable[[str], None]]:
+    """A fixture's ``choose(value)``: sets ``variable`` for the test and forgets ``choice``'s cached answer, before
+    and after."""
+    def choose(value: str) -> None:
+        monkeypatch.setenv(variable, value)
+        choice.cache_clear()  # type: ignore[attr-defined]  # the choice is cached per process
+    yield choose
+    choice.cache_clear()  # type: ignore[attr-defined]
+
+
 @pytest.fixture
 def half_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
     from .. import nn as sf_nn
 
-    def choose(value: str) -> None:
-        monkeypatch.setenv(sf_nn.HALF_GEMM_ENV, value)
-        sf_nn.upcast_half_gemm_on_cpu.cache_clear()  # the choice is cached per process
-    yield choose
-    sf_nn.upcast_half_gemm_on_cpu.cache_clear()
+    yield from _switch(monkeypatch, sf_nn.HALF_GEMM_ENV, sf_nn.upcast_half_gemm_on_cpu)
 
 
 @pytest.fixture
@@ -46,11 +53,7 @@ def float32_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], No
     cached choice (:func:`specforge_core.nn.onednn_float32`), before and after."""
     from .. import nn as sf_nn
 
-    def choose(value: str) -> None:
-        monkeypatch.setenv(sf_nn.FP32_GEMM_ENV, value)
-        sf_nn.onednn_float32.cache_clear()
-    yield choose
-    sf_nn.onednn_float32.cache_clear()
+    yield from _switch(monkeypatch, sf_nn.FP32_GEMM_ENV, sf_nn.onednn_float32)
 
 
 @pytest.fixture

@@ -132,8 +132,8 @@ def test_the_float32_gru_takes_its_per_step_products_from_one_copy_of_w_hh_packe
         float32_gemm, route):
     """Where float32 GEMMs go to oneDNN (AMD's Zen 4), the state GEMMs of every step share one copy of each part
     of W_hh packed for it, in forward (r|z and n) and backward (W_hh itself), and the input GEMM runs there too;
-    the gradients of the input and the weights, whose left operands are strided views, stay torch's. The values are nn.GRU's to float32
-    rounding on either route."""
+    the gradients of the input and the weights, whose left operands are strided views, stay torch's. The values
+    are nn.GRU's to float32 rounding on either route."""
     import platform
 
     if route == "onednn" and not (platform.machine().lower() in ("x86_64", "amd64")
