@@ -339,7 +339,7 @@ def kill_tree(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def output(process: subprocess.Popen, limit: int = 4000) -> str:
+def output(process: subprocess.Popen, limit: int = 20000) -> str:
     """The tail of what a launched process wrote to stderr (and stdout)."""
     texts = []
     for stream in ("err", "out"):
