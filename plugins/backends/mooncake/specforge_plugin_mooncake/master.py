@@ -197,6 +197,12 @@ class LocalMaster(_LocalProcess):
         """How many objects the master holds, of every namespace."""
         return int(self.metrics()["master_key_count"])
 
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys of the objects the master holds that start with ``prefix``, sorted (the
+        metrics server's ``/get_all_keys``: for tests and audits, not for a large store)."""
+        listed = fetch_text(f"http://{self.host}:{self.metrics_port}/get_all_keys", self.command_prefix)
+        return sorted(key for key in listed.splitlines() if key and key.startswith(prefix))
+
     def start(self) -> LocalMaster:
         binary = master_binary()
         for _attempt in range(3):  # a free port can be taken between probe and bind: try others

@@ -27,6 +27,10 @@ Design, and why:
   that read the same generation can read it once more (a stale ref fails loudly everywhere
   once the old object is gone). The small head objects are force-deleted: a reader checks
   their content, and losing one only turns a later "stale" message into "not found".
+  A read that outlasts its own lease (Mooncake's LEASE_EXPIRED: the object may have been
+  freed under it) is made again whole, up to ``READ_ATTEMPTS`` times, then is an error that
+  names the master's ``--default_kv_lease_ttl``; on a loaded machine a short lease is
+  outlasted now and then.
 - **Eviction.** With ``pin`` (the default) objects are hard-pinned, so a full cluster makes
   a put raise :class:`StoreFullError` (nothing stored is lost; the put stores nothing)
   instead of silently dropping samples a consumer still needs. Unpinned objects may be evicted; a get of one raises
@@ -77,6 +81,13 @@ NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room for the object
 BUFFER_TOO_SMALL = -600  # INVALID_PARAMS, which get_into returns for a short buffer
 NOT_FOUND = -704  # OBJECT_NOT_FOUND
 LEASED = -706  # OBJECT_HAS_LEASE: read recently, the master refuses to delete it yet
+LEASE_EXPIRED = -707  # the read's lease ran out before its transfer ended: the bytes may be torn
+#: How many times a read whose lease ran out is made before that is an error. The master frees an
+#: object only once no lease holds it, so a read that outlasts its lease may have copied freed memory;
+#: it is made again whole (on a loaded machine one read in many outlasts a short lease).
+READ_ATTEMPTS = 5
+#: The room a head record is read into first (it is about 100 bytes; a longer one is read again).
+_HEAD_ROOM = 512
 
 _FORMAT = "specforge-mooncake-store"
 _VERSION = 1
@@ -86,6 +97,11 @@ _RETRY_INTERVAL_S = 0.2  # between retries of pending deletions
 #: How long a store attaching to a new namespace waits for the manifest another store is putting at the same
 #: moment: the put takes milliseconds, and until it ends a get reads nothing.
 MANIFEST_WAIT_S = 10.0
+
+
+def key_prefix(namespace: str) -> str:
+    """What every key of a namespace's objects starts with (its manifest, heads and data)."""
+    return f"specforge/{namespace}/"
 
 
 class MooncakeStore(BaseFeatureStore):
@@ -104,7 +120,7 @@ class MooncakeStore(BaseFeatureStore):
         self.uri = f"mooncake://{options.master_address}/{self.namespace}"
         self.checksums = options.checksums
         self.lease_wait_s = options.lease_wait_s
-        self._prefix = f"specforge/{self.namespace}/"
+        self._prefix = key_prefix(self.namespace)
         self._latest: OrderedDict[str, int] = OrderedDict()  # sample id -> newest generation seen here
         self._known: dict[str, int] = {}  # data key -> object bytes, for samples put or read here
         self._prune_at = 4096
@@ -187,18 +203,15 @@ class MooncakeStore(BaseFeatureStore):
             raise stale_error(ref, latest)
         if pending:
             raise self._not_found(ref)
-        capacity = ref.nbytes + layout.header_room(ref.sample_id, ref.features)
-        buffer = torch.empty(capacity, dtype=torch.uint8)
-        size = self._client.get_into(key, buffer.data_ptr(), capacity)
-        if size == BUFFER_TOO_SMALL:  # a header larger than header_room: ask for the size
-            needed = self._client.get_size(key)
-            if needed > capacity:
-                buffer = torch.empty(needed, dtype=torch.uint8)
-                size = self._client.get_into(key, buffer.data_ptr(), needed)
-            elif needed < 0:
-                size = needed
+        buffer, size = self._read(key, ref.nbytes + layout.header_room(ref.sample_id, ref.features))
         if size == NOT_FOUND:
             raise self._missing(ref, key)
+        if size == LEASE_EXPIRED:
+            raise FeatureStoreError(
+                f"get of sample {ref.sample_id!r} (generation {ref.generation}) from {self.uri}: the read lease "
+                f"ran out before the transfer ended, {READ_ATTEMPTS} times in a row (Mooncake error {size}, key "
+                f"{key}); the sample is still stored. A read takes longer here than the master's lease: start "
+                "mooncake_master with a longer --default_kv_lease_ttl (milliseconds), or read smaller samples")
         if size < 0:
             raise FeatureStoreError(f"get of sample {ref.sample_id!r} (generation {ref.generation}) from {self.uri} "
                                     f"failed with Mooncake error {size} (key {key})")
@@ -330,11 +343,36 @@ class MooncakeStore(BaseFeatureStore):
                 if code in (0, NOT_FOUND):
                     self._pending.pop(key, None)
 
+    # -- reads ------------------------------------------------------------------------------
+
+    def _read(self, key: str, capacity: int) -> tuple[torch.Tensor, int]:
+        """Object ``key`` read whole into a fresh buffer: ``(buffer, size)``, or a negative Mooncake code
+        for the size. ``capacity`` is the room tried first; an object that does not fit is read again into
+        a buffer of its size. A read whose lease ran out is made again, up to :data:`READ_ATTEMPTS` times."""
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            buffer = torch.empty(capacity, dtype=torch.uint8)
+            size = self._client.get_into(key, buffer.data_ptr(), capacity)
+            if size == BUFFER_TOO_SMALL:  # e.g. a header larger than header_room: ask for the size
+                needed = self._client.get_size(key)
+                if needed > capacity:
+                    capacity = needed
+                    buffer = torch.empty(capacity, dtype=torch.uint8)
+                    size = self._client.get_into(key, buffer.data_ptr(), capacity)
+                elif needed < 0:
+                    size = needed
+            if size != LEASE_EXPIRED:
+                break
+            if attempt < READ_ATTEMPTS:
+                log.info("%s: the read lease on %s ran out before its transfer ended; reading it again", self.uri,
+                         key)
+        return buffer, size
+
     # -- heads ------------------------------------------------------------------------------
 
     def _read_head(self, sample_id: str) -> int | None:
         """The current generation recorded for ``sample_id``, or None (no head, or an unreadable one)."""
-        raw = self._client.get(self._head_key(sample_id))
+        buffer, size = self._read(self._head_key(sample_id), _HEAD_ROOM)
+        raw = buffer[:size].numpy().tobytes() if size > 0 else b""
         if not raw.startswith(_HEAD_MAGIC):
             return None
         try:

@@ -20,7 +20,8 @@ from specforge_core.plugins import PluginManager
 from specforge_core.protocols import BuildContext
 from specforge_core.testing.feature_store_suite import FeatureStoreConformance, assert_same_tensors, sample_tensors
 from specforge_plugin_mooncake.errors import MooncakeUnavailableError
-from specforge_plugin_mooncake.master import LocalSegmentHolder, free_port
+from specforge_plugin_mooncake.master import LocalMaster, LocalSegmentHolder, free_port
+from specforge_plugin_mooncake.store import LEASE_EXPIRED, READ_ATTEMPTS, close_idle_clients, key_prefix
 
 PRODUCER = Path(__file__).with_name("producer.py")
 
@@ -197,6 +198,52 @@ def test_an_object_that_vanished_is_a_clear_error_naming_the_sample_and_key(stor
         store.get(ref)
 
 
+class _CountingReads:
+    """The store's real Mooncake client, with its ``get_into`` calls counted; the first ``expire``
+    of them answer LEASE_EXPIRED instead of reading. That answer is a stand-in: a real master gives
+    it when a read outlasts the lease, a moment no test can time on a loaded machine (the test
+    beside this one gets real ones from a master whose lease every read outlasts)."""
+
+    def __init__(self, client, expire: int = 0) -> None:
+        self._client, self.expire, self.reads = client, expire, 0
+
+    def get_into(self, key, pointer, size):
+        self.reads += 1
+        if self.reads <= self.expire:
+            return LEASE_EXPIRED
+        return self._client.get_into(key, pointer, size)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_read_that_outlasts_its_lease_is_made_again_and_returns_the_sample(store):
+    tensors = sample_tensors(tokens=5, seed=7)
+    ref = store.put("slow", tensors)
+    store._client = reads = _CountingReads(store._client, expire=2)
+    assert_same_tensors(store.get(ref), tensors)
+    assert reads.reads == 3  # two reads whose lease ran out, then one whole
+
+
+def test_reads_that_always_outlast_the_lease_are_a_clear_error_and_the_sample_stays(needs_mooncake, namespace,
+                                                                                   open_store):
+    """A real master whose lease (1 ms) is shorter than any read of a 32 MiB sample (about 20 ms here)."""
+    with LocalMaster(lease_ttl_ms=1) as short_lease:
+        store = open_store(short_lease, namespace)
+        ref = store.put("big", {"hidden_states": torch.ones(8 * 2**20)})
+        store._client = reads = _CountingReads(store._client)
+        with pytest.raises(FeatureStoreError, match=rf"get of sample 'big' \(generation {ref.generation}\) from "
+                                                    rf"mooncake://.*/{namespace}: the read lease ran out before the "
+                                                    rf"transfer ended, {READ_ATTEMPTS} times in a row \(Mooncake "
+                                                    r"error -707, key .*\); the sample is still stored\. .*start "
+                                                    r"mooncake_master with a longer --default_kv_lease_ttl"):
+            store.get(ref)
+        assert reads.reads == READ_ATTEMPTS
+        assert store._client.is_exist(store.key_of(ref)) == 1 and store.stats()["samples"] == 1
+        store.close()  # with its client, while the master is up
+        close_idle_clients(short_lease.master_address)
+
+
 def test_unpinned_samples_are_evicted_when_the_segment_fills_and_their_get_names_the_sample(fresh_master, namespace, open_store):
     # One 64 MiB segment, 4 MiB samples: Mooncake evicts the oldest ones as it fills.
     with open_store(fresh_master, namespace, pin=False) as store:
@@ -319,11 +366,18 @@ def test_destroy_removes_every_object_of_its_namespace_and_no_other(fresh_master
     ours, other = open_store(fresh_master, namespace), open_store(fresh_master, namespace + "-other")
     first = ours.put("a", sample_tensors(tokens=2, seed=1))
     ours.get(first)  # a read lease does not stop the end of a stream
-    ours.put("b", sample_tensors(tokens=2, seed=2))
+    second = ours.put("b", sample_tensors(tokens=2, seed=2))
     kept = other.put("a", sample_tensors(tokens=2, seed=3))
     before = fresh_master.key_count()
+    # the master lists each namespace's objects apart (a prefix that is a name and its "/")
+    assert fresh_master.keys(key_prefix(namespace)) == sorted(
+        [ours.key_of(first), ours.key_of(second), ours._head_key("a"), ours._head_key("b"),
+         key_prefix(namespace) + "STORE"])
+    assert fresh_master.keys(key_prefix(namespace + "-other")) == sorted(
+        [other.key_of(kept), other._head_key("a"), key_prefix(namespace + "-other") + "STORE"])
     assert ours.destroy() == 5  # two samples, their two heads and the namespace's manifest
     assert fresh_master.key_count() == before - 5
+    assert fresh_master.keys(key_prefix(namespace)) == [] and len(fresh_master.keys(key_prefix(namespace + "-other"))) == 3
     assert_same_tensors(other.get(kept), sample_tensors(tokens=2, seed=3))
     with pytest.raises(SampleNotFoundError, match=r"'a'"):
         ours.get(first)

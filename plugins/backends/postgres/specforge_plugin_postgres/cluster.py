@@ -186,8 +186,8 @@ class LocalStreamCluster:
 
     def audit(self, schema: str) -> dict[str, Any]:
         """The stream's ledger (committed, acked, duplicates, pending, durable step, distinct acked
-        ids, how many of them a producer captured again after a claim expired) and the objects
-        left in Mooncake once the master freed interrupted puts (waiting up to RELEASE_WAIT_S)."""
+        ids, how many of them a producer captured again after a claim expired) and the stream's
+        objects left in Mooncake once the master freed interrupted puts (waiting up to RELEASE_WAIT_S)."""
         plane = self.open_plane(schema)
         try:
             stats = plane.metadata.stats()
@@ -196,10 +196,17 @@ class LocalStreamCluster:
         finally:
             plane.close()
         deadline = time.monotonic() + RELEASE_WAIT_S  # interrupted puts of killed processes: see INTERRUPTED_PUTS
-        while self.master.key_count() and time.monotonic() < deadline:
+        while self.objects(schema) and time.monotonic() < deadline:
             time.sleep(1.0)
         return {**stats, "durable_step": durable_step, "acked_ids": len(acked),
-                "recaptured": sum("#" in sample_id for sample_id in acked), "mooncake_objects": self.master.key_count()}
+                "recaptured": sum("#" in sample_id for sample_id in acked), "mooncake_objects": len(self.objects(schema))}
+
+    def objects(self, schema: str) -> list[str]:
+        """The keys of the objects the stream of ``schema`` has in Mooncake (its store's namespace
+        is the stream's name, the schema): another stream's leftovers on the master do not count."""
+        from specforge_plugin_mooncake.store import key_prefix
+
+        return self.master.keys(key_prefix(schema))
 
     def marker(self, schema: str, key: str) -> Any:
         """The stream's marker ``key`` (None when unset)."""
