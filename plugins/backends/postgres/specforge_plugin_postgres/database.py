@@ -82,8 +82,15 @@ def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUna
     return PostgresUnavailableError(f"cannot connect to PostgreSQL at {address}: {text}; {hint}")
 
 
-def _connect(conninfo: str, address: str, timeout_s: float, schema: str | None) -> Any:
+def _connect(conninfo: str, address: str, timeout_s: float, schema: str | None, listen: str | None = None) -> Any:
+    """A connection with ``schema`` as its search path and, with ``listen``, LISTENing on that channel.
+
+    A connection the server closes before those statements answer (it went down just after
+    accepting it) is :class:`PostgresNotReadyError`, as one it closes while being made: the
+    callers wait for a restart under way instead of failing.
+    """
     import psycopg
+    from psycopg import sql
 
     try:
         # libpq's connect_timeout is whole seconds, and it treats values below 2 as 2.
@@ -91,10 +98,20 @@ def _connect(conninfo: str, address: str, timeout_s: float, schema: str | None) 
                                application_name="specforge")
     except psycopg.Error as exc:
         raise connect_error(address, exc, timeout_s) from None
-    if schema is not None:
-        from psycopg import sql
-
-        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+    try:
+        if schema is not None:
+            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        if listen is not None:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(listen)))
+    except psycopg.Error as exc:
+        broken = conn.broken  # (before the close, which a clean close would clear)
+        close_quietly(conn)
+        if not broken:
+            raise
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server closed the "
+                                    "connection just after it was made, as one going down or restarting does: "
+                                    "try again once it accepts connections") from None
     return conn
 
 
@@ -225,11 +242,7 @@ class Listener:
         self._lock = threading.Lock()
 
     def _open(self) -> None:
-        from psycopg import sql
-
-        conn = _connect(self.conninfo, self.address, self.connect_timeout_s, None)
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-        self._conn = conn
+        self._conn = _connect(self.conninfo, self.address, self.connect_timeout_s, None, listen=self.channel)
 
     def wait(self, timeout: float) -> bool:
         """Sleep until a notification arrives (True) or ``timeout`` seconds pass (False)."""

@@ -275,15 +275,21 @@ def test_a_server_not_taking_connections_yet_is_waited_for_up_to_the_reconnect_t
 
 
 class _CuttingProxy:
-    """A TCP relay on loopback in front of the real server that closes the first ``cuts`` connections as soon as it
-    accepts them, before any byte, as a server going down mid-handshake does (a fast shutdown, or a client frozen
-    across a restart and woken after it: libpq then reports "server closed the connection unexpectedly"), and relays
-    every later one to the server. It stands in for that moment of a restart, which cannot be timed on a real one."""
+    """A TCP relay on loopback in front of the real server that cuts connections as a server going down does, and
+    relays the rest. It stands in for moments of a restart, which cannot be timed on a real server.
 
-    def __init__(self, port: int, cuts: int) -> None:
+    Without ``cut_at`` the first ``cuts`` connections are closed as soon as they are accepted, before any byte (a
+    fast shutdown mid-handshake, or a client frozen across a restart and woken after it: libpq then reports
+    "server closed the connection unexpectedly"). With ``cut_at`` the first ``cuts`` ones are relayed until the
+    client sends bytes containing it, then closed (a server that goes down just after it accepted the connection).
+    :meth:`restart` closes every connection it relays, as a fast shutdown does, and cuts the next ``cuts`` again.
+    """
+
+    def __init__(self, port: int, cuts: int, cut_at: bytes | None = None) -> None:
         import threading
 
-        self.cut, self._cuts, self._port = 0, cuts, port
+        self.cut, self._to_cut, self._port, self._cut_at = 0, cuts, port, cut_at
+        self._relayed: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -296,24 +302,40 @@ class _CuttingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            if self.cut < self._cuts:
+            armed = self._to_cut > 0
+            self._to_cut -= armed
+            if armed and self._cut_at is None:
                 self.cut += 1
                 client.close()
                 continue
             server = socket.create_connection(("127.0.0.1", self._port))
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+            self._relayed += [client, server]
+            threading.Thread(target=self._relay, args=(client, server, self._cut_at if armed else None),
+                             daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client, None), daemon=True).start()
 
-    @staticmethod
-    def _relay(source: socket.socket, sink: socket.socket) -> None:
+    def _relay(self, source: socket.socket, sink: socket.socket, cut_at: bytes | None) -> None:
         try:
             while data := source.recv(65536):
+                if cut_at is not None and cut_at in data:
+                    self.cut += 1
+                    break
                 sink.sendall(data)
         except OSError:
             pass
         finally:
             for end in (source, sink):
                 end.close()
+
+    def restart(self, cuts: int) -> None:
+        """Close every relayed connection, and cut the next ``cuts`` ones (as the proxy was built to)."""
+        for end in self._relayed:
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._relayed.clear()
+        self.cut, self._to_cut = 0, cuts
 
     def close(self) -> None:
         self._listener.close()
@@ -348,6 +370,46 @@ def test_a_connection_the_server_cuts_while_it_is_made_is_tried_again_as_a_resta
         assert 1 <= time.monotonic() - start < 8 and always.cut >= 2  # it kept trying, then said why it stopped
     finally:
         always.close()
+
+
+def test_a_connection_cut_just_after_it_is_made_is_tried_again_when_opening_and_when_reconnecting(postgres,
+                                                                                                  schema):
+    """The server goes down right after it accepted a connection, before the connection's own set-up (its search
+    path) answers: opening a plane and reconnecting after a restart both wait for the server, as for a connection
+    cut while it is being made, instead of failing on the first statement."""
+    proxy = _CuttingProxy(postgres.port, cuts=2, cut_at=b"search_path")
+    try:
+        dsn = postgres.dsn_for("specforge").replace(f":{postgres.port}/", f":{proxy.port}/")
+        plane = _open_with_dsn(dsn, schema=schema, reconnect_timeout_s=30)
+        try:
+            assert proxy.cut == 2  # two connections cut at their search path, then made
+            plane.metadata.commit(sample_refs(2))
+            proxy.restart(cuts=2)  # every connection cut, and the next two again at their search path
+            plane.metadata.commit(sample_refs(2, start=2))
+            assert proxy.cut == 2 and plane.metadata.stats()["committed"] == 4
+        finally:
+            plane.close()
+    finally:
+        proxy.close()
+
+
+def test_a_listener_whose_listen_is_cut_waits_and_then_listens(postgres):
+    """A LISTEN the server cuts is a server away for a moment: the wait sleeps as without a server, and the next
+    one opens the connection again and listens."""
+    from specforge_plugin_postgres.database import Listener
+
+    proxy = _CuttingProxy(postgres.port, cuts=1, cut_at=b"LISTEN")
+    listener = Listener(postgres.dsn_for("specforge").replace(f":{postgres.port}/", f":{proxy.port}/"), "t_wake",
+                        connect_timeout_s=5)
+    try:
+        assert listener.wait(0.1) is False and proxy.cut == 1  # cut: nothing heard
+        assert listener.wait(0.1) is True  # opened: what was notified before it may be lost, read again
+        with psycopg.connect(postgres.dsn_for("specforge"), autocommit=True) as conn:
+            conn.execute("NOTIFY t_wake")
+        assert listener.wait(5) is True and listener.wait(0.1) is False
+    finally:
+        listener.close()
+        proxy.close()
 
 
 def test_a_consumer_restates_its_consumed_count_once_reconnected(fresh_postgres, schema):
