@@ -29,7 +29,7 @@ Design, and why:
   their content, and losing one only turns a later "stale" message into "not found".
   A read that outlasts its own lease (Mooncake's LEASE_EXPIRED: the object may have been
   freed under it) is made again whole, up to ``READ_ATTEMPTS`` times, then is an error that
-  names the master's ``--default_kv_lease_ttl``; on a loaded machine a short lease is
+  names the master's ``default_kv_lease_ttl`` flag; on a loaded machine a short lease is
   outlasted now and then.
 - **Eviction.** With ``pin`` (the default) objects are hard-pinned, so a full cluster makes
   a put raise :class:`StoreFullError` (nothing stored is lost; the put stores nothing)
@@ -210,8 +210,8 @@ class MooncakeStore(BaseFeatureStore):
             raise FeatureStoreError(
                 f"get of sample {ref.sample_id!r} (generation {ref.generation}) from {self.uri}: the read lease "
                 f"ran out before the transfer ended, {READ_ATTEMPTS} times in a row (Mooncake error {size}, key "
-                f"{key}); the sample is still stored. A read takes longer here than the master's lease: start "
-                "mooncake_master with a longer --default_kv_lease_ttl (milliseconds), or read smaller samples")
+                f"{key}); the sample is still stored. A read takes longer here than the master's read lease: start "
+                "mooncake_master with a longer one (its default_kv_lease_ttl flag, in milliseconds)")
         if size < 0:
             raise FeatureStoreError(f"get of sample {ref.sample_id!r} (generation {ref.generation}) from {self.uri} "
                                     f"failed with Mooncake error {size} (key {key})")

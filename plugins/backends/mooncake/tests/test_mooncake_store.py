@@ -236,7 +236,8 @@ def test_reads_that_always_outlast_the_lease_are_a_clear_error_and_the_sample_st
                                                     rf"mooncake://.*/{namespace}: the read lease ran out before the "
                                                     rf"transfer ended, {READ_ATTEMPTS} times in a row \(Mooncake "
                                                     r"error -707, key .*\); the sample is still stored\. .*start "
-                                                    r"mooncake_master with a longer --default_kv_lease_ttl"):
+                                                    r"mooncake_master with a longer one \(its "
+                                                    r"default_kv_lease_ttl flag, in milliseconds\)"):
             store.get(ref)
         assert reads.reads == READ_ATTEMPTS
         assert store._client.is_exist(store.key_of(ref)) == 1 and store.stats()["samples"] == 1
