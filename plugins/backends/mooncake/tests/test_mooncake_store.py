@@ -110,11 +110,13 @@ def test_a_metadata_server_that_is_not_running_fails_fast_naming_its_url(master)
 # -- generations ------------------------------------------------------------------------------
 
 
-def test_a_store_in_another_process_role_sees_a_re_put_as_stale_through_the_head(master, namespace, open_store):
+@pytest.mark.parametrize("sample_id", ["s", "s" * 700])  # a head record of 766 bytes is read again at its size
+def test_a_store_in_another_process_role_sees_a_re_put_as_stale_through_the_head(master, namespace, open_store,
+                                                                                 sample_id):
     with open_store(master, namespace) as producer, open_store(master, namespace) as consumer:
-        old = producer.put("s", sample_tensors(seed=1))
+        old = producer.put(sample_id, sample_tensors(seed=1))
         assert_same_tensors(consumer.get(old), sample_tensors(seed=1))
-        new = producer.put("s", sample_tensors(seed=2))
+        new = producer.put(sample_id, sample_tensors(seed=2))
         wait_for_deletions(producer, master)  # the old generation stays readable for one read lease
         with pytest.raises(StaleRefError, match=rf"generation {old.generation}, but the sample was put again as "
                                                 rf"generation {new.generation}"):
@@ -378,7 +380,8 @@ def test_destroy_removes_every_object_of_its_namespace_and_no_other(fresh_master
         [other.key_of(kept), other._head_key("a"), key_prefix(namespace + "-other") + "STORE"])
     assert ours.destroy() == 5  # two samples, their two heads and the namespace's manifest
     assert fresh_master.key_count() == before - 5
-    assert fresh_master.keys(key_prefix(namespace)) == [] and len(fresh_master.keys(key_prefix(namespace + "-other"))) == 3
+    assert fresh_master.keys(key_prefix(namespace)) == []
+    assert len(fresh_master.keys(key_prefix(namespace + "-other"))) == 3
     assert_same_tensors(other.get(kept), sample_tensors(tokens=2, seed=3))
     with pytest.raises(SampleNotFoundError, match=r"'a'"):
         ours.get(first)

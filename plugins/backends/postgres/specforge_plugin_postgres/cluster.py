@@ -196,10 +196,10 @@ class LocalStreamCluster:
         finally:
             plane.close()
         deadline = time.monotonic() + RELEASE_WAIT_S  # interrupted puts of killed processes: see INTERRUPTED_PUTS
-        while self.objects(schema) and time.monotonic() < deadline:
+        while (left := self.objects(schema)) and time.monotonic() < deadline:
             time.sleep(1.0)
         return {**stats, "durable_step": durable_step, "acked_ids": len(acked),
-                "recaptured": sum("#" in sample_id for sample_id in acked), "mooncake_objects": len(self.objects(schema))}
+                "recaptured": sum("#" in sample_id for sample_id in acked), "mooncake_objects": len(left)}
 
     def objects(self, schema: str) -> list[str]:
         """The keys of the objects the stream of ``schema`` has in Mooncake (its store's namespace
