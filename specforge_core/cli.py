@@ -500,7 +500,7 @@ def export_command(source: str, fmt: str | None, dtype: str, output: str) -> Non
     or one checkpoint directory. Writes model.safetensors and config.json in the chosen
     format; see docs/serving.md for the engine command lines.
     """
-    from .export import export_format, export_model, rebuild_model, resolve_checkpoint
+    from .export import CONFIG_FILE, export_format, export_model, rebuild_model, resolve_checkpoint, verifier_note
 
     try:
         checkpoint, run_dir = resolve_checkpoint(source)
@@ -510,6 +510,9 @@ def export_command(source: str, fmt: str | None, dtype: str, output: str) -> Non
     except SpecforgeError as exc:
         _fail(exc)
     click.echo(f"exported {checkpoint.name} of strategy {spec.name} as {fmt} ({dtype}) to {out}")
+    note = verifier_note(json.loads((out / CONFIG_FILE).read_text()), out)
+    if note:
+        click.echo(note)
 
 
 @cli.command(name="eval")

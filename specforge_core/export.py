@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -219,6 +220,35 @@ def speculators_type(config: Mapping[str, Any]) -> str | None:
     """The ``speculators_model_type`` of a config.json, or None for the SGLang / vLLM native layout."""
     value = config.get(SPECULATORS_TYPE)
     return value if isinstance(value, str) else None
+
+
+#: A hub repository id as huggingface_hub validates one: an optional namespace, a name of word characters, dots
+#: and dashes (96 at most); no "--" or "..", no ".git" ending (checked apart).
+_HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}")
+
+
+def verifier_note(config: Mapping[str, Any], folder: str | os.PathLike[str]) -> str | None:
+    """What to know before serving a speculators-layout export whose verifier is no hub repository id (a local
+    folder, or the toy target's name), or None.
+
+    vLLM reads ``speculators_config.verifier.name_or_path`` only when the folder itself is served as the
+    model, and then (0.33.0) refuses a local path or anything else that is not a hub repository id; served
+    as the draft of a named target, as docs/serving.md shows, the field is not read."""
+    if speculators_type(config) is None:
+        return None
+    section = config.get("speculators_config")
+    verifier = section.get("verifier") if isinstance(section, Mapping) else None
+    name = verifier.get("name_or_path") if isinstance(verifier, Mapping) else None
+    if not isinstance(name, str):
+        return None
+    hub_id = (_HUB_ID.fullmatch(name) is not None and "--" not in name and ".." not in name
+              and not name.endswith(".git") and not os.path.exists(name))
+    if hub_id:
+        return None
+    return (f"note: {folder} names its verifier {name!r}, which is no hub repository id. Serve it as the draft "
+            f"of its target: vllm serve TARGET --speculative-config '{{\"method\": ..., \"model\": \"{folder}\", "
+            f"\"num_speculative_tokens\": ...}}' (docs/serving.md). vLLM refuses to serve the folder by itself "
+            "unless speculators_config.verifier.name_or_path is a hub repository id.")
 
 
 def check_format(fmt: str, formats: Iterable[str], strategy: str, *, error: type[ExportError] = ExportError) -> None:

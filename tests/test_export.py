@@ -17,9 +17,12 @@ from specforge_core.export import (
     load_exported_draft,
     load_weights,
     open_export,
+    speculators_config,
+    verifier_note,
     write_export_files,
 )
 from specforge_core.plugins import PluginManager
+from specforge_core.protocols import TargetInfo
 from specforge_core.specs import StrategySpec
 
 
@@ -296,3 +299,29 @@ def test_round_trip_through_the_shared_reader_and_writer(tmp_path):
     assert json.loads((folder / "config.json").read_text()) == {"specforge_strategy": "tiny", "architectures": ["Tiny"]}
     save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))  # a plain safetensors file reads too
     assert list(load_weights(folder)) == ["w"]
+
+
+def _speculators_folder_config(model_id):
+    target = TargetInfo(num_layers=4, hidden_size=8, vocab_size=16, dtype="float32", model_id=model_id)
+    return {"speculators_model_type": "eagle3", "speculators_config": speculators_config("eagle3", 7, target)}
+
+
+def test_a_speculators_export_whose_verifier_is_no_hub_id_says_how_vllm_serves_it(tmp_path):
+    target_dir = tmp_path / "my-target"
+    target_dir.mkdir()
+    # an existing folder, an absolute path, the toy target's name, a name with "--"
+    for name in (str(target_dir), "/models/elsewhere", "specforge/toy-target-tiny@717b8dd932f9a64d", "org/a--b"):
+        note = verifier_note(_speculators_folder_config(name), tmp_path / "draft")
+        assert note is not None and note.startswith(f"note: {tmp_path / 'draft'} names its verifier {name!r}, "
+                                                    "which is no hub repository id. Serve it as the draft of its "
+                                                    "target: vllm serve TARGET --speculative-config"), name
+        assert note.endswith("unless speculators_config.verifier.name_or_path is a hub repository id.")
+
+
+def test_no_verifier_note_for_a_hub_id_a_native_folder_or_a_config_without_a_verifier(tmp_path):
+    for hub_id in ("HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "meta-llama/Llama-3.1-8B"):
+        assert verifier_note(_speculators_folder_config(hub_id), tmp_path) is None, hub_id
+    assert verifier_note({"architectures": ["DFlashDraftModel"]}, tmp_path) is None  # the native layout
+    assert verifier_note({"speculators_model_type": "dflash"}, tmp_path) is None
+    assert verifier_note({"speculators_model_type": "dflash", "speculators_config": {"verifier": None}}, tmp_path) \
+        is None

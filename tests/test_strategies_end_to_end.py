@@ -99,7 +99,13 @@ def check_other_formats(strategy, tiny, out, tmp_path, accept_len):
             assert f"strategy '{strategy}' exports as {', '.join(formats)}, not '{fmt}'" in proc.stderr
             assert "Traceback" not in proc.stderr and not folder.exists()
             continue
-        specforge("export", str(out), "--format", fmt, "--output", str(folder))
+        proc = specforge("export", str(out), "--format", fmt, "--output", str(folder))
+        # the toy target's name is no hub id: vLLM would refuse a speculators folder served by itself
+        note = (f"note: {folder} names its verifier 'specforge/toy-target-tiny@"
+                if fmt == "speculators" else "note:")
+        assert (note in proc.stdout) == (fmt == "speculators"), (fmt, proc.stdout)
+        assert fmt != "speculators" or "which is no hub repository id. Serve it as the draft of its target" \
+            in proc.stdout
         assert evaluate(folder, tiny)["accept_len_real"] == pytest.approx(accept_len), fmt
     if strategy == "eagle3":  # eval rebuilds the strategy with the trained options, then --set on top
         assert evaluate(out / "export", tiny, "--set", "strategy.spec_depth=1")["accept_len_real"] <= 2.0
