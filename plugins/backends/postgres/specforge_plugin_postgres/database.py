@@ -54,9 +54,21 @@ _NOT_READY = ("the database system is starting up", "the database system is shut
 _CUT = "server closed the connection unexpectedly"
 
 
+def _first_line(exc: Exception) -> str:
+    """What an error says, in one line (its type when it says nothing)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _closed_error(address: str, exc: Exception, moment: str) -> PostgresNotReadyError:
+    """A connection the server closed at ``moment`` of its making: a server going down or restarting."""
+    return PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {_first_line(exc)}; the server closed "
+                                 f"the connection {moment}, as one going down or restarting does: try again once it "
+                                 "accepts connections")
+
+
 def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUnavailableError:
     """The message for a failed connection attempt: what happened and what to check."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _first_line(exc)
     low = str(exc).lower()
     if "password authentication failed" in low or "no password supplied" in low:
         hint = "the server refused the login: check the user and password in control_plane.dsn (or PGPASSWORD)"
@@ -74,9 +86,7 @@ def connect_error(address: str, exc: Exception, timeout_s: float) -> PostgresUna
         return PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server is starting up, "
                                      "shutting down or recovering: try again once it accepts connections")
     elif _CUT in low:
-        return PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server closed the "
-                                     "connection while it was being made, as one going down or restarting does: "
-                                     "try again once it accepts connections")
+        return _closed_error(address, exc, "while it was being made")
     else:
         hint = "check control_plane.dsn and that the server is up"
     return PostgresUnavailableError(f"cannot connect to PostgreSQL at {address}: {text}; {hint}")
@@ -108,10 +118,7 @@ def _connect(conninfo: str, address: str, timeout_s: float, schema: str | None, 
         close_quietly(conn)
         if not broken:
             raise
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PostgresNotReadyError(f"cannot connect to PostgreSQL at {address}: {text}; the server closed the "
-                                    "connection just after it was made, as one going down or restarting does: "
-                                    "try again once it accepts connections") from None
+        raise _closed_error(address, exc, "just after it was made") from None
     return conn
 
 

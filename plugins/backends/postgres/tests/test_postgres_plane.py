@@ -391,6 +391,17 @@ def test_a_connection_cut_just_after_it_is_made_is_tried_again_when_opening_and_
             plane.close()
     finally:
         proxy.close()
+    always = _CuttingProxy(postgres.port, cuts=10**9, cut_at=b"search_path")
+    try:
+        start = time.monotonic()
+        with pytest.raises(PostgresNotReadyError, match=r"cannot connect to PostgreSQL at .*; the server closed the "
+                                                        r"connection just after it was made, as one going down or "
+                                                        r"restarting does: try again once it accepts connections$"):
+            _open_with_dsn(postgres.dsn_for("specforge").replace(f":{postgres.port}/", f":{always.port}/"),
+                           schema=schema, reconnect_timeout_s=1)
+        assert 1 <= time.monotonic() - start < 8 and always.cut >= 2  # it kept trying, then said why it stopped
+    finally:
+        always.close()
 
 
 def test_a_listener_whose_listen_is_cut_waits_and_then_listens(postgres):
