@@ -23,12 +23,14 @@ seconds / ours`` (> 1: ours is faster). One JSON line per strategy and dtype:
     load_before / load_after         the machine's 1-minute load average
     ours / reference                 eager or compiled (``--compile``); textbook or ours eager
                                      (``--reference eager``)
+    recompute_mlp                    ours with ``train.recompute_mlp`` (``--recompute-mlp``)
     first_step_s_ours / _reference   the untimed first step (with ``--compile``: the compile time)
 
     python bench/versus_reference.py                                # every strategy, fp32 and bf16
     python bench/versus_reference.py --strategies eagle3 --dtypes float32 --pairs 9
     python bench/versus_reference.py --compile --reference eager    # what strategy.compile changes
     python bench/versus_reference.py --system-heap                  # ours on glibc's default heap too
+    python bench/versus_reference.py --recompute-mlp                # ours with train.recompute_mlp
     python bench/versus_reference.py --shapes smollm2               # at a real small model's dimensions
 
 Shapes (``--shapes tiny``, the default): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash
@@ -427,6 +429,10 @@ def worker(conn, name: str, dtype_name: str, path: str, args: argparse.Namespace
     if as_trainer and not args.system_heap:
         keep_heap()  # as the trainer does (train.keep_heap)
     strategy, model, batch, tokens = build(name, dtype_name, args, compile=args.compile and path == "ours")
+    if args.recompute_mlp and path == "ours":
+        from specforge_core.nn import recompute_mlps
+
+        recompute_mlps(model)  # as train.recompute_mlp does
     params = [p for p in model.parameters() if p.requires_grad]
     # ours steps with the optimizer the trainer builds (the fused AdamW kernel); the textbook with AdamW's defaults
     optimizer = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if as_trainer and fused_adamw(params)
@@ -535,7 +541,7 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     family = "eagle3" if name == "eagle3" else "dflash_family"
     return {"bench": "versus_reference", "strategy": name, "dtype": dtype_name, "shapes": args.shapes,
             "threads": 1, "pairs": args.pairs, "cpu": args.cpu,
-            "ours": "compiled" if args.compile else "eager",
+            "ours": "compiled" if args.compile else "eager", "recompute_mlp": args.recompute_mlp,
             "reference": {"textbook": "textbook", "compiled": "textbook, compiled", "eager": "ours, eager"}[
                 args.reference],
             "first_step_s_ours": ready["ours"][2], "first_step_s_reference": ready["reference"][2],
@@ -586,6 +592,9 @@ def main() -> None:
     parser.add_argument("--system-heap", action="store_true",
                         help="leave ours on the C library's default heap policy too, instead of keeping the heap "
                              "between steps as the trainer does (train.keep_heap): what that setting is worth")
+    parser.add_argument("--recompute-mlp", action="store_true",
+                        help="ours with train.recompute_mlp: its gated MLPs make their gate and up projections again "
+                             "in backward instead of keeping them (less memory, a second forward of those two)")
     args = parser.parse_args()
     args.cpu = resolve_cpu(args.cpu)
     for name in args.strategies.split(","):

@@ -73,6 +73,12 @@ class TrainOptions:
                                    "MiB from the heap, trimmed only above 1 GiB free; a few percent of a small "
                                    "draft's CPU step). false keeps the C library's defaults, as do glibc's MALLOC_* "
                                    "environment variables when set.")
+    recompute_mlp: bool = option(False, "Make each gated MLP's gate and up projections again in backward instead of "
+                                        "keeping them from forward (the draft layers' MLPs of every in-tree "
+                                        "strategy; any specforge_core.nn.SwiGLU): two [tokens, intermediate] "
+                                        "tensors fewer kept per MLP call (EAGLE3: per unroll step), for a "
+                                        "second forward of those two projections (3-6% of a small draft's "
+                                        "CPU step). The values and gradients are the same, bit for bit.")
     export: bool = option(True, "At the end, export the draft for serving into OUTPUT/export (when the strategy can), "
                                 "in the first format its plugin declares.")
     export_dtype: str = option(DEFAULT_EXPORT_DTYPE, "dtype of the exported draft's weights: the dtype it will be "

@@ -860,21 +860,27 @@ class _GatedDownProj(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate, up, weight = ctx.saved_tensors
-        need_gate, need_up, need_weight = ctx.needs_input_grad
-        activated = F.silu(gate)
-        grad_weight = None
-        if need_weight:  # the product is made for this alone, and goes before its gradient is made
-            grad_weight = linear_grads(grad, activated * up, weight, need_x=False)[1]
-        if not (need_gate or need_up):
-            return None, None, grad_weight
-        grad_product = linear_grads(grad, gate, weight, need_w=False)[0]  # gate: the product's shape and dtype
-        grad_up = activated.mul_(grad_product) if need_up else None  # silu(gate) is not needed after this
-        del activated
-        grad_gate = None
-        if need_gate:  # in grad_product's buffer, which nothing reads after this
-            grad_gate = torch.ops.aten.silu_backward.grad_input(grad_product.mul_(up), gate, grad_input=grad_product)
-        return grad_gate, grad_up, grad_weight
+        return _gated_down_proj_grads(grad, *ctx.saved_tensors, *ctx.needs_input_grad)
+
+
+def _gated_down_proj_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                           need_gate: bool, need_up: bool,
+                           need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_gate, grad_up, grad_weight)`` of :func:`gated_down_proj` given its output's gradient (see
+    :class:`_GatedDownProj`); ``gate`` and ``up`` are the kept, or recomputed, inputs."""
+    activated = F.silu(gate)
+    grad_weight = None
+    if need_weight:  # the product is made for this alone, and goes before its gradient is made
+        grad_weight = linear_grads(grad, activated * up, weight, need_x=False)[1]
+    if not (need_gate or need_up):
+        return None, None, grad_weight
+    grad_product = linear_grads(grad, gate, weight, need_w=False)[0]  # gate: the product's shape and dtype
+    grad_up = activated.mul_(grad_product) if need_up else None  # silu(gate) is not needed after this
+    del activated
+    grad_gate = None
+    if need_gate:  # in grad_product's buffer, which nothing reads after this
+        grad_gate = torch.ops.aten.silu_backward.grad_input(grad_product.mul_(up), gate, grad_input=grad_product)
+    return grad_gate, grad_up, grad_weight
 
 
 def gated_down_proj(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -895,17 +901,61 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class SwiGLU(nn.Module):
-    """The gated MLP: ``down(silu(gate(x)) * up(x))``, no biases."""
+class _RecomputedGatedMLP(torch.autograd.Function):
+    """:class:`SwiGLU` keeping only its input (and the weights) for backward: ``gate(x)`` and ``up(x)`` are
+    made again there, as the forward made them, and go once the gradients are made. One more forward of
+    the two projections, and two ``[.., I]`` tensors fewer kept through the rest of the step."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        return linear(F.silu(linear(x, w_gate)).mul_(linear(x, w_up)), w_down)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w_gate, w_up, w_down = ctx.saved_tensors
+        need_x, need_gate, need_up, need_down = ctx.needs_input_grad
+        gate, up = linear(x, w_gate), linear(x, w_up)
+        grad_gate, grad_up, grad_down = _gated_down_proj_grads(grad, gate, up, w_down, need_x or need_gate,
+                                                               need_x or need_up, need_down)
+        del gate, up
+        grad_x = grad_w_gate = grad_w_up = None
+        if grad_gate is not None:
+            grad_x, grad_w_gate = linear_grads(grad_gate, x, w_gate, need_x=need_x, need_w=need_gate)
+            del grad_gate
+        if grad_up is not None:
+            more_x, grad_w_up = linear_grads(grad_up, x, w_up, need_x=need_x, need_w=need_up)
+            grad_x = more_x if grad_x is None else grad_x.add_(more_x)
+        return grad_x, grad_w_gate, grad_w_up, grad_down
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP: ``down(silu(gate(x)) * up(x))``, no biases.
+
+    With ``recompute`` (``train.recompute_mlp``, :func:`recompute_mlps`) backward makes ``gate(x)`` and
+    ``up(x)`` again instead of keeping them from forward (:class:`_RecomputedGatedMLP`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, recompute: bool = False) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_down_proj(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
+        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if self.recompute and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return _RecomputedGatedMLP.apply(x, *weights)
+        return gated_down_proj(self.gate_proj(x), self.up_proj(x), weights[2])
+
+
+def recompute_mlps(model: nn.Module, enabled: bool = True) -> int:
+    """Set ``recompute`` on every :class:`SwiGLU` of ``model`` (``train.recompute_mlp``); returns how many."""
+    found = [module for module in model.modules() if isinstance(module, SwiGLU)]
+    for module in found:
+        module.recompute = enabled
+    return len(found)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

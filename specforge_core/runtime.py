@@ -116,6 +116,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
     from .training.trainer import Trainer
 
     from .heap import keep_heap
+    from .nn import recompute_mlps
     from .threads import apply_threads
 
     train = plan.train
@@ -154,6 +155,11 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         train = plan.train
         torch.manual_seed(train.seed)
         model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
+        recomputed = recompute_mlps(model, train.recompute_mlp) if train.recompute_mlp else 0
+        if train.recompute_mlp and info.is_main:
+            print(f"train.recompute_mlp: {recomputed} gated MLP(s) recompute their projections in backward"
+                  if recomputed else "train.recompute_mlp: the draft has no gated MLP (specforge_core.nn.SwiGLU); "
+                  "nothing is recomputed", file=sys.stderr, flush=True)
         plan = with_resolved_strategy_options(plan, strategy)
         loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
                                      rank=info.rank, world_size=info.world_size)
@@ -173,7 +179,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if info.is_main:
             print(eval_note, file=sys.stderr, flush=True)
         summary_extra = {"plugins": manager.plugin_list(), "config": plan.to_dict(), "world_size": info.world_size,
-                         "topology": topology, "eval_split": eval_note, "heap": heap,
+                         "topology": topology, "eval_split": eval_note, "heap": heap, "recomputed_mlps": recomputed,
                          "train_options_suggested_by_engine": applied or {}}
         trainer = Trainer(strategy=strategy, model=model, loader=loader, train=train, info=info,
                           output_dir=plan.output, run_id=plan.run_id, total_steps=total_steps,

@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specforge_core.hfconfig import config_value, rope_theta
 from specforge_core.nn import (MAX_BLOCK, RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear,
-                               max_last, rms_norm, rope_cos_sin, softmax_last_, softmax_logsumexp_)
+                               max_last, recompute_mlps, rms_norm, rope_cos_sin, softmax_last_, softmax_logsumexp_)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -374,6 +375,58 @@ def test_swiglu_runs_its_down_projection_through_gated_down_proj():
     written_grads = torch.autograd.grad(written.square().sum(), [x, *mlp.parameters()])
     for a, b in zip(grads, written_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("route", ["native", "fp32"])  # half precision through torch's kernel / as float32 GEMMs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_recomputing_swiglu_gives_the_kept_ones_values_and_gradients_bit_for_bit(half_gemm, route, dtype):
+    half_gemm(route)
+    torch.manual_seed(4)
+    mlp = SwiGLU(48, 80).to(dtype)
+    x = (torch.randn(2, 64, 48) * 2).to(dtype).requires_grad_()
+    grad = torch.randn(2, 64, 48).to(dtype)
+    kept = mlp(x)
+    kept_grads = torch.autograd.grad(kept, [x, *mlp.parameters()], grad)
+    assert recompute_mlps(nn.Sequential(mlp, nn.Linear(2, 2), SwiGLU(4, 6))) == 2 and mlp.recompute
+    made_again = mlp(x)
+    assert "RecomputedGatedMLP" in type(made_again.grad_fn).__name__
+    assert made_again.dtype == dtype and torch.equal(made_again, kept)
+    for a, b in zip(torch.autograd.grad(made_again, [x, *mlp.parameters()], grad), kept_grads):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    with torch.no_grad():  # nothing to keep: the plain forward
+        assert torch.equal(mlp(x), kept)
+    assert recompute_mlps(mlp, False) == 1 and "GatedDownProj" in type(mlp(x).grad_fn).__name__
+
+
+@pytest.mark.parametrize("frozen", ["", "x", "gate_proj", "up_proj", "down_proj", "x,down_proj"])
+def test_a_recomputing_swiglu_has_the_written_out_gradients_in_float64(frozen):
+    torch.manual_seed(6)
+    mlp = SwiGLU(5, 7, recompute=True).double()
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad="x" not in frozen)
+    for name in frozen.split(","):
+        if name.endswith("proj"):
+            getattr(mlp, name).weight.requires_grad_(False)
+    wanted = [t for t in (x, *mlp.parameters()) if t.requires_grad]
+    out = mlp(x)
+    written = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, wanted, grad), torch.autograd.grad(written, wanted, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if not frozen:
+        assert torch.autograd.gradcheck(lambda x, *weights: mlp(x), (x, *mlp.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_recomputing_swiglu_keeps_only_its_input_and_weights(dtype):
+    rows, hidden, width = 256, 32, 96
+    mlp = SwiGLU(hidden, width).to(dtype)
+    x = torch.randn(rows, hidden).to(dtype).requires_grad_()
+    element = x.element_size()
+    weights = 3 * hidden * width * element
+    # kept: the input (the two projections' one input), gate(x) and up(x), and the weights
+    assert _saved_bytes(mlp, x) == rows * hidden * element + 2 * rows * width * element + weights
+    mlp.recompute = True
+    assert _saved_bytes(mlp, x) == rows * hidden * element + weights
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -135,3 +135,22 @@ def test_two_gloo_ranks(strategy, tiny, tmp_path):
     assert summary["real_eval"]["identical_to_target_greedy"] is True
     assert sorted(p.name for p in (out / summary["latest_checkpoint"]).iterdir() if p.name.startswith("optim")) == [
         "optim.rank0.json", "optim.rank0.safetensors", "optim.rank1.json", "optim.rank1.safetensors"]
+
+
+@pytest.mark.parametrize("strategy", [p for p in STRATEGIES if p.values[0] in ("eagle3", "dflash")])
+def test_recompute_mlp_trains_the_same_steps_on_two_ranks(strategy, tiny, tmp_path):
+    """train.recompute_mlp on FSDP2 units (the weights gathered again for backward): every step's loss and
+    gradient norm as without it, bit for bit, with the draft's gated MLPs recomputing."""
+    runs = {}
+    for recompute in (False, True):
+        out = tmp_path / f"run-{recompute}"
+        proc = specforge(*run_args(strategy, tiny, out, "--set", f"train.recompute_mlp={str(recompute).lower()}",
+                                   "--set", "train.real_eval_prompts=0", "--set", "train.export=false", steps=3),
+                         ranks=2)
+        summary = json.loads((out / "summary.json").read_text())
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[recompute] = [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+        assert summary["recomputed_mlps"] == ({"eagle3": 1, "dflash": 4}[strategy] if recompute else 0)
+        assert ("gated MLP(s) recompute their projections in backward" in proc.stderr) == recompute
+    assert [step for step, _, _ in runs[True]] == [1, 2, 3]
+    assert runs[True] == runs[False]

@@ -99,6 +99,15 @@ def test_run_writes_metrics_summary_curves_and_checkpoints(site, features, tmp_p
     assert [l for l in lines if l.startswith("checkpoint")][:2] == ["checkpoint 2 lin-step2", "checkpoint 4 lin-step4"]
 
 
+def test_recompute_mlp_says_when_the_draft_has_no_gated_mlp(site, features, tmp_path):
+    out = tmp_path / "out"
+    proc = specforge(site, *train_args(features, out, "--set", "train.recompute_mlp=true", steps=2))
+    assert "train.recompute_mlp: the draft has no gated MLP (specforge_core.nn.SwiGLU); nothing is recomputed" \
+        in proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["recomputed_mlps"] == 0 and summary["steps"] == 2
+
+
 def test_keep_heap_false_leaves_the_c_librarys_heap_policy(site, features, tmp_path):
     out = tmp_path / "out"
     specforge(site, *train_args(features, out, "--set", "train.keep_heap=false", steps=2))
