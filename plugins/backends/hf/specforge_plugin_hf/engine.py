@@ -274,6 +274,8 @@ class HFTargetEngine:
         """The plan's features of one row, unpadded, each a new contiguous tensor (never a view)."""
         features = {}
         if layers:
+            for i in layers:
+                self._check_layer_input(outputs[i])
             # torch.cat always allocates, so the feature does not pin the padded batch.
             features[plan.hidden_feature] = torch.cat([outputs[i][row, :length] for i in layers], dim=-1)
         if plan.last_hidden:
@@ -283,6 +285,18 @@ class HFTargetEngine:
             if spec is not None and dtype_name(tensor.dtype) != spec.dtype:
                 features[name] = tensor.to(torch_dtype(spec.dtype))
         return features
+
+    def _check_layer_input(self, hidden: torch.Tensor) -> None:
+        """Refuses a decoder layer's input that is no ``[batch, tokens, hidden]`` stream, which is what a draft
+        reads and serving engines capture: Gemma 3n's AltUp, for one, passes each layer several predictions of the
+        stream stacked in front, and its rows would be read as copies of it."""
+        hidden_size = int(self._config.hidden_size)
+        if hidden.dim() != 3 or hidden.shape[-1] != hidden_size:
+            raise TargetEngineError(
+                f"target {self.model_id!r} ({type(self.model).__name__}) passes its decoder layers hidden states of "
+                f"shape {list(hidden.shape)}, not [batch, tokens, {hidden_size}]: they are no single residual "
+                "stream a draft reads (Gemma 3n's AltUp stacks several predictions of it), so this model cannot be "
+                "a target here")
 
     def _check_plan(self, plan: CapturePlan) -> tuple[int, ...]:
         layers = tuple(plan.layer_ids)

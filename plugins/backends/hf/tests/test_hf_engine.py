@@ -433,7 +433,7 @@ def test_the_toy_eval_split_for_runs_holds_the_targets_own_replies(engine):
 def save_sliding_window_target(folder: Path, architecture: str) -> Path:
     """A random sliding-window transformers model (window 6) with a word-level tokenizer, saved as a model
     folder: Mistral (every layer windowed) or Gemma 3 (windowed and full layers in turn); or Qwen3-Next's
-    linear-attention one."""
+    linear-attention one, or Gemma 3n's (AltUp, and layers sharing their keys and values)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -453,6 +453,12 @@ def save_sliding_window_target(folder: Path, architecture: str) -> Path:
                                               linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=16, shared_expert_intermediate_size=16)
         model_class = transformers.Qwen3NextForCausalLM
+    elif architecture == "gemma3n":  # AltUp: each layer takes two predictions of the stream; the last 2 share KV
+        config = transformers.Gemma3nTextConfig(**common, layer_types=["sliding_attention", "full_attention"] * 2,
+                                                vocab_size_per_layer_input=len(words), hidden_size_per_layer_input=8,
+                                                num_kv_shared_layers=2, altup_num_inputs=2, laurel_rank=4,
+                                                activation_sparsity_pattern=[0.0] * 4)
+        model_class = transformers.Gemma3nForCausalLM
     else:
         config = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"] * 2)
         model_class = transformers.Gemma3ForCausalLM
@@ -525,6 +531,21 @@ def test_a_linear_attention_target_refuses_to_roll_back_naming_why(tmp_path):
                                                 "tokens"):
         session.truncate(11)
     assert session.length == 13
+
+
+def test_a_target_whose_layers_take_no_single_stream_is_refused_naming_the_shape(tmp_path):
+    """Gemma 3n's layers take two predictions of the residual stream stacked in front ([2, batch, tokens, 32]):
+    capturing them as a draft's features would read the stack's rows as copies of the stream, so a capture
+    and a session are refused, naming the shape, and the target keeps no hook."""
+    engine = make_engine(save_sliding_window_target(tmp_path / "gemma3n", "gemma3n"))
+    plan = CapturePlan(layer_ids=(0, 1), hidden_feature="target_hidden")
+    message = (r"target '.*gemma3n' \(Gemma3nForCausalLM\) passes its decoder layers hidden states of shape "
+               r"\[2, 1, 7, 32\], not \[batch, tokens, 32\]: they are no single residual stream a draft reads")
+    with pytest.raises(TargetEngineError, match=message):
+        engine.capture([{"input_ids": torch.arange(4, 11)}], plan)
+    with pytest.raises(TargetEngineError, match=message):
+        engine.session(torch.arange(4, 11), plan)
+    assert not any(layer._forward_pre_hooks for layer in engine._decoder_layers())
 
 
 def test_a_forward_gets_its_cache_under_the_keyword_its_transformers_release_takes():
