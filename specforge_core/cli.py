@@ -6,6 +6,7 @@ torch, and plugins are asked only for their specs.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -119,6 +120,7 @@ def options(section: str | None, name: str | None) -> None:
     \b
       specforge options                    the sections and the components of each
       specforge options train              the training loop (train.*)
+      specforge options train lr           one of its options
       specforge options data               the data (data.*)
       specforge options strategy           the installed strategies
       specforge options strategy eagle3    one component's options (strategy.*)
@@ -138,11 +140,19 @@ def options(section: str | None, name: str | None) -> None:
             click.echo(f"{kind:<14} {names}  (specforge options {kind} NAME)")
         return
     if section in PLAIN_SECTIONS:
-        if name is not None:
-            _fail(OptionError(f"section '{section}' has no components; run `specforge options {section}`"))
         cls = PLAIN_SECTIONS[section]
+        rows = describe_options(cls)
+        if name is not None:  # one option, as `train.lr` or `lr`
+            wanted = name.removeprefix(f"{section}.")
+            rows = [row for row in rows if row["name"] == wanted]
+            if not rows:
+                names = [row["name"] for row in describe_options(cls)]
+                close = difflib.get_close_matches(wanted, names, n=1)
+                _fail(OptionError(f"section '{section}' has no option '{wanted}'"
+                                  + (f" (did you mean '{close[0]}'?)" if close else "")
+                                  + f"; `specforge options {section}` lists its {len(names)} options"))
         click.echo(f"{section}: {_first_line(cls)}")
-        _echo_option_rows(section, describe_options(cls))
+        _echo_option_rows(section, rows)
         return
     if name is None:
         try:

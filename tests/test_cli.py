@@ -148,6 +148,25 @@ def test_options_command_documents_a_component(toy_env):
     assert "Producer pauses when this many published refs are not yet consumed." in out
 
 
+@pytest.mark.parametrize("name", ["recompute_mlp", "train.recompute_mlp"])
+def test_options_command_describes_one_option_of_a_section(toy_env, name):
+    out = run_cli("options", "train", name, env=toy_env, check=True).stdout
+    lines = out.splitlines()
+    assert lines[:2] == ["train: How the training loop runs (the `train` section).",
+                         "  train.recompute_mlp (bool, default False)"]
+    assert len(lines) == 3 and lines[2].startswith("      Make each gated MLP's gate and up projections again")
+
+
+@pytest.mark.parametrize(("section", "name", "message"), [
+    ("train", "recompute_mpl", "error: section 'train' has no option 'recompute_mpl' (did you mean 'recompute_mlp'?); "
+                               "`specforge options train` lists its"),
+    ("data", "zzz", "error: section 'data' has no option 'zzz'; `specforge options data` lists its"),
+])
+def test_options_command_names_an_unknown_option_of_a_section(toy_env, section, name, message):
+    proc = run_cli("options", section, name, env=toy_env)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
+
+
 LIGHT_PROBE = """
 import runpy, sys
 sys.argv = {argv!r}
