@@ -144,9 +144,9 @@ def options(section: str | None, name: str | None) -> None:
         rows = describe_options(cls)
         if name is not None:  # one option, as `train.lr` or `lr`
             wanted = name.removeprefix(f"{section}.")
+            names = [row["name"] for row in rows]
             rows = [row for row in rows if row["name"] == wanted]
             if not rows:
-                names = [row["name"] for row in describe_options(cls)]
                 close = difflib.get_close_matches(wanted, names, n=1)
                 _fail(OptionError(f"section '{section}' has no option '{wanted}'"
                                   + (f" (did you mean '{close[0]}'?)" if close else "")
