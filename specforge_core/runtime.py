@@ -155,11 +155,11 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         train = plan.train
         torch.manual_seed(train.seed)
         model = strategy.build_model(source.target, source.frozen_parts(), source.stats())
-        recomputed = recompute_mlps(model, train.recompute_mlp) if train.recompute_mlp else 0
+        recomputed = recompute_mlps(model) if train.recompute_mlp else 0
         if train.recompute_mlp and info.is_main:
-            print(f"train.recompute_mlp: {recomputed} gated MLP(s) recompute their projections in backward"
-                  if recomputed else "train.recompute_mlp: the draft has no gated MLP (specforge_core.nn.SwiGLU); "
-                  "nothing is recomputed", file=sys.stderr, flush=True)
+            said = (f"{recomputed} gated MLP(s) recompute their projections in backward" if recomputed else
+                    "the draft has no gated MLP (specforge_core.nn.SwiGLU); nothing is recomputed")
+            print(f"train.recompute_mlp: {said}", file=sys.stderr, flush=True)
         plan = with_resolved_strategy_options(plan, strategy)
         loader = source.train_loader(strategy.collate, batch_size=train.batch_size, seed=train.seed,
                                      rank=info.rank, world_size=info.world_size)

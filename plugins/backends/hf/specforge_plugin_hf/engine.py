@@ -252,7 +252,7 @@ class HFTargetEngine:
         def keep_input(key: Any) -> Any:
             def hook(_module: Any, args: Any, kwargs: Any) -> None:
                 if threading.get_ident() == owner:
-                    outputs[key] = args[0] if args else kwargs["hidden_states"]
+                    outputs[key] = self._check_layer_input(args[0] if args else kwargs["hidden_states"])
             return hook
 
         def keep_output(_module: Any, _inputs: Any, output: Any) -> None:
@@ -274,8 +274,6 @@ class HFTargetEngine:
         """The plan's features of one row, unpadded, each a new contiguous tensor (never a view)."""
         features = {}
         if layers:
-            for i in layers:
-                self._check_layer_input(outputs[i])
             # torch.cat always allocates, so the feature does not pin the padded batch.
             features[plan.hidden_feature] = torch.cat([outputs[i][row, :length] for i in layers], dim=-1)
         if plan.last_hidden:
@@ -286,10 +284,11 @@ class HFTargetEngine:
                 features[name] = tensor.to(torch_dtype(spec.dtype))
         return features
 
-    def _check_layer_input(self, hidden: torch.Tensor) -> None:
-        """Refuses a decoder layer's input that is no ``[batch, tokens, hidden]`` stream, which is what a draft
-        reads and serving engines capture: Gemma 3n's AltUp, for one, passes each layer several predictions of the
-        stream stacked in front, and its rows would be read as copies of it."""
+    def _check_layer_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``, a decoder layer's input, as it is; one that is no ``[batch, tokens, hidden]`` stream (what a
+        draft reads and serving engines capture) is refused, stopping the forward there: Gemma 3n's AltUp, for one,
+        passes each layer several predictions of the stream stacked in front, whose rows would be read as copies
+        of it."""
         hidden_size = int(self._config.hidden_size)
         if hidden.dim() != 3 or hidden.shape[-1] != hidden_size:
             raise TargetEngineError(
@@ -297,6 +296,7 @@ class HFTargetEngine:
                 f"shape {list(hidden.shape)}, not [batch, tokens, {hidden_size}]: they are no single residual "
                 "stream a draft reads (Gemma 3n's AltUp stacks several predictions of it), so this model cannot be "
                 "a target here")
+        return hidden
 
     def _check_plan(self, plan: CapturePlan) -> tuple[int, ...]:
         layers = tuple(plan.layer_ids)
