@@ -18,7 +18,9 @@ seconds / ours`` (> 1: ours is faster). One JSON line per strategy and dtype:
     tokens_per_s_ours / _reference   B*S tokens per second, medians over the pairs
     ratio, ratio_p25, ratio_p75      median and quartiles of the per-pair ratios
     peak_mb_ours / _reference        resident memory above each worker's baseline (the
-                                     model, batch and optimizer state after a first step)
+                                     model, batch and optimizer state after a first step);
+                                     with ``--in-use``, the bytes in use at the step's peak
+    memory                           which of the two: resident or in use
     kernels                          what each path runs on CPU, and would run on CUDA
     load_before / load_after         the machine's 1-minute load average
     ours / reference                 eager or compiled (``--compile``); textbook or ours eager
@@ -31,7 +33,17 @@ seconds / ours`` (> 1: ours is faster). One JSON line per strategy and dtype:
     python bench/versus_reference.py --compile --reference eager    # what strategy.compile changes
     python bench/versus_reference.py --system-heap                  # ours on glibc's default heap too
     python bench/versus_reference.py --recompute-mlp                # ours with train.recompute_mlp
+    python bench/versus_reference.py --in-use --pairs 2             # bytes in use at the peak, not pages
     python bench/versus_reference.py --shapes smollm2               # at a real small model's dimensions
+
+Resident memory counts the pages a step touches, and so the C heap's fragmentation: the blocks the
+step frees leave holes that later blocks of other sizes fit only in part, and over many steps the
+blocks settle into more pages than the step ever has in use at once. ``--in-use`` measures the bytes
+in use instead: both workers run with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 4 KiB, so every block
+of 4 KiB or more is mapped on its own and unmapped when freed, and the resident high-water mark is
+the peak of the bytes in use (page by page), with no heap around them: the figure a GPU's caching
+allocator reports as its peak allocated. The step then pays a page fault for every page of every
+block, so its times and ratios in that mode measure the faults, not the step.
 
 Shapes (``--shapes tiny``, the default): EAGLE3 H 256, V = Vd 4096, B 2, S 512, TTT 7; the DFlash
 family H 128, 2 layers, block 16, 16 anchors, S 512, B 4, V 1024 (bench/dflash_step.py's ``tiny``).
@@ -495,6 +507,8 @@ def kernels(family: str, args: argparse.Namespace) -> dict:
                "reference": {**linears["reference"], "cpu": linears["reference"]["cpu"] + _HALF_REFERENCE[upcast]}}
     heap = {"ours": "glibc's defaults (--system-heap)" if args.system_heap else HEAP["ours"],
             "reference": HEAP["reference"]}
+    if args.in_use:
+        heap = {path: "every block of 4 KiB or more mapped on its own (--in-use)" for path in heap}
     described = {**KERNELS[family], "linears": linears, "optimizer": OPTIMIZER, "heap": heap}
     if args.compile:
         described["ours_layers"] = {"cpu": "torch.compile (inductor C++ kernels) around the eager attention",
@@ -511,16 +525,30 @@ def kernels(family: str, args: argparse.Namespace) -> dict:
     return described
 
 
+#: ``--in-use``: the workers' environment, read by glibc as they start (every block of 4 KiB or more mapped alone)
+IN_USE_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "4096"}
+
+
 def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     spawn = multiprocessing.get_context("spawn")
     paths = ("ours", "reference")
     pipes, procs = {}, []
-    for path in paths:
-        parent, child = spawn.Pipe()
-        proc = spawn.Process(target=worker, args=(child, name, dtype_name, path, args), daemon=True)
-        proc.start()
-        pipes[path] = parent
-        procs.append(proc)
+    saved = {key: os.environ.get(key) for key in IN_USE_ENVIRONMENT}
+    if args.in_use:
+        os.environ.update(IN_USE_ENVIRONMENT)
+    try:
+        for path in paths:
+            parent, child = spawn.Pipe()
+            proc = spawn.Process(target=worker, args=(child, name, dtype_name, path, args), daemon=True)
+            proc.start()
+            pipes[path] = parent
+            procs.append(proc)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     ready = {path: pipes[path].recv() for path in paths}
     tokens = ready["ours"][1]
     load_before = os.getloadavg()[0]
@@ -549,6 +577,7 @@ def compare(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
             "ratio": statistics.median(ratios), "ratio_p25": quartiles[0], "ratio_p75": quartiles[2],
             "ratio_min": ratios[0], "ratio_max": ratios[-1],
             "peak_mb_ours": peaks["ours"], "peak_mb_reference": peaks["reference"],
+            "memory": "in use (every block mapped on its own)" if args.in_use else "resident",
             "kernels": kernels(family, args), "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
@@ -595,6 +624,10 @@ def main() -> None:
     parser.add_argument("--recompute-mlp", action="store_true",
                         help="ours with train.recompute_mlp: its gated MLPs make their gate and up projections again "
                              "in backward instead of keeping them (less memory, a second forward of those two)")
+    parser.add_argument("--in-use", action="store_true",
+                        help="measure the bytes in use at each step's peak instead of its resident memory: both "
+                             "workers map every block of 4 KiB or more on its own (glibc), so no heap fragmentation "
+                             "is counted; the step's times then include a page fault for every page it allocates")
     args = parser.parse_args()
     args.cpu = resolve_cpu(args.cpu)
     for name in args.strategies.split(","):

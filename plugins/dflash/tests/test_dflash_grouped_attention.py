@@ -179,3 +179,52 @@ def test_cpu_grouped_attention_gives_each_input_its_gradient_in_the_inputs_layou
                                 .contiguous().transpose(1, 2))
     for grad, given in zip(grads, (q, k, v)):
         assert grad.shape == given.shape and grad.stride() == given.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (6, 3), (4, 1)])
+def test_cpu_half_precision_backward_one_kv_head_at_a_time_equals_all_heads_at_once(monkeypatch, dtype, heads,
+                                                                                     kv_heads):
+    """In half precision the grouped CPU attention's backward runs one KV head (and its query heads) at a time:
+    its gradients are those of all heads at once bit for bit, in the inputs' layouts, and the largest float32
+    tensor it makes is one KV head's keys, not all of them (a single KV head has nothing to split)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specforge_plugin_dflash import model
+
+    class LargestFloat32(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    gen = torch.Generator().manual_seed(6)
+    batch, dim, seq, blocks, bs = 3, 8, 40, 5, 4
+    anchors = torch.tensor([[0, 0, 3, 9, 20], [1, 5, 5, 30, 35], [0, 2, 8, 16, 38]])
+    pattern = grouped_block_attention(anchors, torch.tensor([40, 36, 25]), seq, bs, blocks_per_group=2)
+    keys = seq + blocks * bs
+    tensors = [torch.randn(batch, width, n, dim, generator=gen).to(dtype).transpose(1, 2)
+               for n, width in ((heads, blocks * bs), (kv_heads, keys), (kv_heads, keys))]
+    grad_out = torch.randn(batch, blocks * bs, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    results, largest = {}, {}
+    for split in (True, False):
+        if not split:
+            monkeypatch.setattr(model, "_kv_head_parts", lambda q, k: None)
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out = model.attend_grouped(*leaves, pattern, "sdpa")
+        with LargestFloat32() as mode:
+            grads = torch.autograd.grad(out, leaves, grad_out)
+        results[split], largest[split] = [out, *grads], mode.numel
+        assert all(grad.dtype == dtype and grad.stride() == given.stride() for grad, given in zip(grads, leaves))
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    if kv_heads == 1:
+        assert largest[True] == largest[False]
+    else:
+        assert largest[False] == batch * kv_heads * keys * dim
+        assert largest[True] == batch * keys * dim
