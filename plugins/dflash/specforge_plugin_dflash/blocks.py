@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import attrs
 import torch
@@ -176,8 +176,8 @@ class AttentionGroup:
     @functools.cached_property
     def mask(self) -> torch.Tensor:
         """``[B, 1, end-start, context + end-start]`` bool (True = attend): :func:`block_attention_mask` cut to
-        the group's keys. Built on first use (the masked kernels; CPU's path takes :attr:`GroupedBlockAttention.
-        context_bias` instead)."""
+        the group's keys. Built on first use (the masked kernels; CPU's path takes :meth:`GroupedBlockAttention.
+        context_biases` instead)."""
         return block_attention_mask(self.anchors, self.lengths, self.context, self.block_size)[:, None]
 
 
@@ -196,24 +196,33 @@ class GroupedBlockAttention:
 
     @functools.cached_property
     def context_bias(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:
-        """Per group, the context part of its mask as an additive float32 bias ``[B, 1, Qg, context]``
-        (0 = visible, -inf = not) and which query rows see no context key ``[B, 1, Qg]``; None for a
-        group with no context. Built once per batch, on first use, and shared by every layer: one
-        comparison of key positions against each query row's visible count per group."""
-        per_query = self.visible.repeat_interleave(self.block_size, dim=1)  # [B, N*bs]
-        empty = (per_query == 0)[:, None]
-        device = per_query.device
+        """:meth:`context_biases`, made once, on first use, and kept with the pattern: for callers that share
+        them across layers and passes (float32 steps)."""
+        return tuple(self.context_biases())
+
+    def context_biases(self) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per group, in order: the context part of its mask as an additive float32 bias ``[B, 1, Qg, context]``
+        (0 = visible, -inf = not) and which query rows see no context key ``[B, 1, Qg]``; None for a group
+        with no context.
+
+        Made afresh, group by group, as the caller steps through them: a caller that drops each before the
+        next keeps one group's at a time, where :attr:`context_bias` keeps every group's for the whole step
+        (in the tiny bf16 DFlash step of ``bench/versus_reference.py``, 1.45 of the 16 MB it had in use at
+        its peak). A group's rows are whole blocks whose rows see the same keys: one comparison of key
+        positions against each block's visible count, then repeated over the block's rows (about 40 us
+        for 64 rows of 500 keys, where comparing every row took 140)."""
+        bs, device = self.block_size, self.visible.device
         keys = torch.arange(max((group.context for group in self.groups), default=0), device=device)
         seen, unseen = (torch.tensor(value, dtype=torch.float32, device=device) for value in (0.0, float("-inf")))
-        parts = []
         for group in self.groups:
             if group.context == 0:
-                parts.append(None)
+                yield None
                 continue
-            rows = per_query[:, None, group.start:group.end, None]  # [B, 1, Qg, 1]
-            bias = torch.where(keys[:group.context] < rows, seen, unseen)  # [B, 1, Qg, context]
-            parts.append((bias, empty[..., group.start:group.end]))
-        return tuple(parts)
+            visible = self.visible[:, group.start // bs:group.end // bs]  # [B, n]: the group's blocks
+            batch, blocks = visible.shape
+            bias = torch.where(keys[:group.context] < visible[:, None, :, None], seen, unseen)  # [B, 1, n, context]
+            bias = bias[:, :, :, None].expand(-1, -1, -1, bs, -1).reshape(batch, 1, blocks * bs, group.context)
+            yield bias, (visible == 0).repeat_interleave(bs, dim=1)[:, None]
 
 
 def grouped_block_attention(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: int, block_size: int,

@@ -18,6 +18,8 @@ Parameter names follow Qwen3 / SGLang's ``DFlashDraftModel`` (``layers.{i}.self_
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,15 +109,29 @@ def _float32_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((b, s, h, d), dtype=torch.float32, device=x.device).transpose(1, 2).copy_(x)
 
 
-def _context_plus_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      pattern: GroupedBlockAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """:class:`_ContextPlusOwnBlock`'s forward over inputs in float32 (or float64): ``(out, lse)``."""
+def _context_biases(pattern: GroupedBlockAttention,
+                    dtype: torch.dtype) -> Iterable[tuple[torch.Tensor, torch.Tensor] | None]:
+    """The group biases :class:`_ContextPlusOwnBlock` runs inputs of ``dtype`` with. Half precision takes them
+    made afresh at each call (:meth:`~GroupedBlockAttention.context_biases`): one group's alive at a time,
+    1.45 MB less at the tiny bf16 DFlash step's peak, for about 0.7% of its time (each layer makes them again,
+    forward and backward, and each KV head's backward). Float32 and float64 steps, whose memory has more room
+    against the reference's, keep them for the batch (:attr:`~GroupedBlockAttention.context_bias`), made
+    once and shared by every layer and pass."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return pattern.context_biases()
+    return pattern.context_bias
+
+
+def _context_plus_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: GroupedBlockAttention,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`_ContextPlusOwnBlock`'s forward over inputs in float32 (or float64) that were ``dtype``:
+    ``(out, lse)``."""
     s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
     own_q, own_k, own_v = _blockwise(q, bs), _blockwise(k[:, :, s:], bs), _blockwise(v[:, :, s:], bs)
     own_out, own_lse = cpu_flash_attention(own_q, own_k, own_v)
     out, lse = _unblockwise(own_out, batch).float(), _unblockwise(own_lse, batch)
     del own_q, own_k, own_v, own_out, own_lse  # block-major copies: not kept through the context calls
-    for group, bias in zip(pattern.groups, pattern.context_bias):
+    for group, bias in zip(pattern.groups, _context_biases(pattern, dtype)):
         if bias is None:
             continue
         rows = slice(group.start, group.end)
@@ -127,10 +143,10 @@ def _context_plus_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _context_plus_own_grads(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, lse: torch.Tensor,
-                            pattern: GroupedBlockAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:class:`_ContextPlusOwnBlock`'s backward over inputs in float32 (or float64): the float32 gradients of q,
-    k and v. Every tensor here keeps the layer's ``[B, S, h, d]`` layout (the kernel takes strided views), and
+                            out: torch.Tensor, lse: torch.Tensor, pattern: GroupedBlockAttention,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_ContextPlusOwnBlock`'s backward over inputs in float32 (or float64) that were ``dtype``: the
+    float32 gradients of q, k and v. Every tensor here keeps the layer's ``[B, S, h, d]`` layout (the kernel takes strided views), and
     so do the gradients: the layer's transposes and views then pass them on without a copy."""
     s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
     own = cpu_flash_attention_backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
@@ -140,7 +156,7 @@ def _context_plus_own_grads(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
     grad_v = torch.zeros_like(v, dtype=torch.float32)
     grad_k[:, :, s:], grad_v[:, :, s:] = _unblockwise(own[1], batch), _unblockwise(own[2], batch)
     del own  # the block-major gradients, copied out: not kept through the context calls
-    for group, bias in zip(pattern.groups, pattern.context_bias):
+    for group, bias in zip(pattern.groups, _context_biases(pattern, dtype)):
         if bias is None:
             continue
         rows, keys = slice(group.start, group.end), slice(0, group.context)
@@ -167,22 +183,29 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
     recomputes the merged softmax's probabilities over its keys, and its ``rowsum(dout *
     out)`` is the merged one, so the gradients are those of the attention over all keys.
 
-    Half-precision inputs are computed in float32 and rounded once. Their backward, where a
-    bf16 DFlash step's memory peaks, runs one KV head (and its query heads) at a time
-    (:func:`_kv_head_parts`): heads never mix, so the gradients are those of all heads at once,
-    bit for bit, while the float32 copies and gradients alive at any moment are one KV head's
-    (the tiny bf16 DFlash step of ``bench/versus_reference.py``: 16.0 MB in use at its peak
-    instead of 17.8, for about 2.5% of its time; its forward, whose peak is the loss's, runs all
-    heads at once).
+    Half-precision inputs are computed in float32 and rounded once. For their memory (the tiny
+    bf16 DFlash step of ``bench/versus_reference.py`` had 17.8 MB in use at its peak, 14.5 with
+    all three, for about 3% of its time):
+
+    - backward runs one KV head (and its query heads) at a time (:func:`_kv_head_parts`): heads
+      never mix, so the gradients are those of all heads at once, bit for bit, while the float32
+      copies and gradients alive at any moment are one KV head's (the forward, whose memory is
+      below the loss's, runs all heads at once);
+    - backward reads the output as returned, rounded, as a half-precision kernel's backward
+      does: that tensor is kept anyway (the layer's ``o_proj`` keeps it), a float32 copy was
+      twice its size more in every layer;
+    - the groups' biases are made at each call (:func:`_context_biases`).
     """
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 pattern: GroupedBlockAttention) -> torch.Tensor:
-        out, lse = _context_plus_own(in_float32(q), in_float32(k), in_float32(v), pattern)
-        ctx.save_for_backward(q, k, v, out, lse)  # out and lse in float32, as the kernels' backward reads them
+        out, lse = _context_plus_own(in_float32(q), in_float32(k), in_float32(v), pattern, q.dtype)
+        result = out.to(q.dtype)
+        # the output as returned (the layer's o_proj keeps that very tensor for its own backward) and lse in float32
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.pattern = pattern
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -190,13 +213,13 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
         parts = _kv_head_parts(q, k)
         if parts is None:
             grads = _context_plus_own_grads(in_float32(grad_out), in_float32(q), in_float32(k), in_float32(v),
-                                            out, lse, ctx.pattern)
+                                            in_float32(out), lse, ctx.pattern, q.dtype)
             return *(grad.to(given.dtype) for grad, given in zip(grads, (q, k, v))), None
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # their layouts
         for heads, kv in parts:
             grad_q[:, heads], grad_k[:, kv], grad_v[:, kv] = _context_plus_own_grads(
                 _float32_copy(grad_out[:, heads]), _float32_copy(q[:, heads]), _float32_copy(k[:, kv]),
-                _float32_copy(v[:, kv]), out[:, heads], lse[:, heads], ctx.pattern)
+                _float32_copy(v[:, kv]), _float32_copy(out[:, heads]), lse[:, heads], ctx.pattern, q.dtype)
         return grad_q, grad_k, grad_v, None
 
 

@@ -41,7 +41,7 @@ def test_context_bias_is_the_masks_context_part_and_flags_rows_that_see_no_conte
     pattern = grouped_block_attention(anchors, lengths, 40, 4, blocks_per_group=group_blocks)
     assert torch.equal(pattern.visible, torch.tensor([[0, 0, 3, 9, 20], [1, 5, 5, 30, 35], [0, 2, 8, 16, 25]]))
     checked = 0
-    for group, part in zip(pattern.groups, pattern.context_bias):
+    for group, part in zip(pattern.groups, pattern.context_biases()):
         if group.context == 0:
             assert part is None
             continue
@@ -52,9 +52,9 @@ def test_context_bias_is_the_masks_context_part_and_flags_rows_that_see_no_conte
         assert torch.equal(empty, ~seen.any(-1))
         checked += 1
     assert checked == len(pattern.groups)
-    assert pattern.context_bias[-1][0].shape[-1] == 35  # the last group's context: row 1's anchor 35
+    assert list(pattern.context_biases())[-1][0].shape[-1] == 35  # the last group's context: row 1's anchor 35
     # a group whose blocks all sit at position 0 has no context at all
-    first, second = grouped_block_attention(torch.tensor([[0, 5]]), torch.tensor([9]), 9, 2, 1).context_bias
+    first, second = grouped_block_attention(torch.tensor([[0, 5]]), torch.tensor([9]), 9, 2, 1).context_biases()
     assert first is None and second[0].shape == (1, 1, 2, 5) and not second[1].any()
 
 
@@ -81,7 +81,7 @@ def test_cpu_attention_of_context_views_and_own_blocks_merged_equals_the_dense_m
     pattern = grouped_block_attention(anchors, lengths, seq, bs, blocks_per_group=group_blocks)
     assert pattern.block_size == bs
     if group_blocks == 1:  # the first group's row 0 (a padding block) sees no context key
-        bias, empty = pattern.context_bias[1]
+        bias, empty = list(pattern.context_biases())[1]
         assert empty[0, 0].all() and not empty[1, 0].any() and bias.dtype == torch.float32
     tensors = [torch.randn(batch, n, width, dim, generator=gen)
                for n, width in ((heads, blocks * bs), (kv_heads, seq + blocks * bs), (kv_heads, seq + blocks * bs))]
@@ -228,3 +228,40 @@ def test_cpu_half_precision_backward_one_kv_head_at_a_time_equals_all_heads_at_o
     else:
         assert largest[False] == batch * kv_heads * keys * dim
         assert largest[True] == batch * keys * dim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_keeps_group_biases_for_the_batch_in_float32_only_and_half_precision_keeps_no_float32_output(
+        monkeypatch, dtype):
+    """Float32 makes the groups' context biases once and shares them (the pattern keeps them); half precision
+    makes them afresh for each call and keeps none, and keeps for backward the output it returns (which the
+    layer's o_proj keeps anyway), not a float32 copy. Both give the float32 path's result to bf16 rounding."""
+    from specforge_plugin_dflash.blocks import GroupedBlockAttention
+    from specforge_plugin_dflash.model import attend_grouped
+
+    made = []
+    biases = GroupedBlockAttention.context_biases
+    monkeypatch.setattr(GroupedBlockAttention, "context_biases", lambda self: made.append(1) or biases(self))
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, kv_heads, dim, seq, blocks, bs = 2, 4, 2, 8, 24, 4, 4
+    anchors = torch.tensor([[0, 3, 9, 20], [1, 5, 12, 18]])
+    tensors = [torch.randn(batch, width, n, dim, generator=gen).transpose(1, 2)
+               for n, width in ((heads, blocks * bs), (kv_heads, seq + blocks * bs), (kv_heads, seq + blocks * bs))]
+    grad_out = torch.randn(batch, heads, blocks * bs, dim, generator=gen)
+    results = {}
+    for run_dtype in (torch.float32, dtype):
+        pattern = grouped_block_attention(anchors, torch.tensor([24, 22]), seq, bs, blocks_per_group=2)
+        made.clear()
+        leaves = [t.to(run_dtype).requires_grad_() for t in tensors]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = attend_grouped(*leaves, pattern, "sdpa")
+        grads = torch.autograd.grad(out, leaves, grad_out.to(run_dtype))
+        results[run_dtype] = [out.float(), *(g.float() for g in grads)]
+        # float32: made once for forward and backward; half precision: forward, then backward per KV head (two)
+        assert len(made) == (1 if run_dtype == torch.float32 else 1 + kv_heads)
+        if run_dtype != torch.float32:
+            assert [t.dtype for t in saved if t.shape == out.shape] == [run_dtype, run_dtype]  # q and the output
+            assert any(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for t in saved)
+    for got, want in zip(results[dtype], results[torch.float32]):
+        assert (got - want).abs().max() <= (2 ** -6 if dtype != torch.float32 else 0) * want.abs().max()
