@@ -113,7 +113,7 @@ def _context_biases(pattern: GroupedBlockAttention,
                     dtype: torch.dtype) -> Iterable[tuple[torch.Tensor, torch.Tensor] | None]:
     """The group biases :class:`_ContextPlusOwnBlock` runs inputs of ``dtype`` with. Half precision takes them
     made afresh at each call (:meth:`~GroupedBlockAttention.context_biases`): one group's alive at a time,
-    1.45 MB less at the tiny bf16 DFlash step's peak, for about 0.7% of its time (each layer makes them again,
+    1.45 MB less at the tiny bf16 DFlash step's peak, for about 1% of its time (each layer makes them again,
     forward and backward, and each KV head's backward). Float32 and float64 steps, whose memory has more room
     against the reference's, keep them for the batch (:attr:`~GroupedBlockAttention.context_bias`), made
     once and shared by every layer and pass."""
@@ -146,8 +146,9 @@ def _context_plus_own_grads(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
                             out: torch.Tensor, lse: torch.Tensor, pattern: GroupedBlockAttention,
                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:class:`_ContextPlusOwnBlock`'s backward over inputs in float32 (or float64) that were ``dtype``: the
-    float32 gradients of q, k and v. Every tensor here keeps the layer's ``[B, S, h, d]`` layout (the kernel takes strided views), and
-    so do the gradients: the layer's transposes and views then pass them on without a copy."""
+    float32 gradients of q, k and v. Every tensor here keeps the layer's ``[B, S, h, d]`` layout (the kernel
+    takes strided views), and so do the gradients: the layer's transposes and views then pass them on without
+    a copy."""
     s, bs, batch = pattern.seq_len, pattern.block_size, q.shape[0]
     own = cpu_flash_attention_backward(_blockwise(grad_out, bs), _blockwise(q, bs), _blockwise(k[:, :, s:], bs),
                                        _blockwise(v[:, :, s:], bs), _blockwise(out, bs), _blockwise(lse, bs))
@@ -185,7 +186,7 @@ class _ContextPlusOwnBlock(torch.autograd.Function):
 
     Half-precision inputs are computed in float32 and rounded once. For their memory (the tiny
     bf16 DFlash step of ``bench/versus_reference.py`` had 17.8 MB in use at its peak, 14.5 with
-    all three, for about 3% of its time):
+    all three, for about 4% of its time):
 
     - backward runs one KV head (and its query heads) at a time (:func:`_kv_head_parts`): heads
       never mix, so the gradients are those of all heads at once, bit for bit, while the float32
