@@ -253,7 +253,7 @@ class BaseFeatureStore:
         after ``then``, and ``then``'s result is never returned. Any other error raises as :meth:`get`'s.
         A store whose tensors are file maps (the disk store) drops the samples on that thread too once
         ``then`` has run, so unmapping them is off the caller's path (1 MiB samples read in batches of 8:
-        0.93 of a raw read instead of 0.79; ``bench/feature_stores.py``); tensors ``then`` kept stay valid.
+        1.09-1.17x as fast as unmapping them here; docs/benchmarks.md); tensors ``then`` kept stay valid.
         """
         samples: list[dict[str, torch.Tensor]] = []
         checks: list[Callable[[], None]] = []

@@ -1,0 +1,57 @@
+"""bench/feature_stores.py in small: one 1 MiB sample size, two repeats, its JSON lines."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "feature_stores.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_feature_stores", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_settle_returns_once_the_stores_background_thread_has_run_what_it_was_given():
+    from specforge_core.checksums import submit_check
+
+    done = []
+    started = threading.Event()
+
+    def slow():
+        started.set()
+        time.sleep(0.3)
+        done.append(threading.current_thread().name)
+
+    submit_check(slow)
+    started.wait(5)
+    _bench_module().settle()
+    assert len(done) == 1 and done[0].startswith("specforge-verify")
+
+
+def test_one_size_prints_the_memory_and_disk_lines_with_their_ratios(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH), "--sizes", "1", "--repeats", "2", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [(r["store"], r.get("verify_checksums"), r.get("measure")) for r in records] == [
+        ("memory", None, None), ("disk", True, None), ("disk", False, None), ("disk", None, "fixed_cost")]
+    memory, verified, unverified, fixed = records
+    assert memory["size_mib"] == 1 and memory["get_vs_memcpy"] > 0
+    for record in (verified, unverified):
+        # 127 tokens of 4096 bf16 plus an int64 id each; 258 of them hold the 256 MiB pool
+        assert (record["bytes"], record["checksum"], record["batch"], record["pool_samples"]) == (
+            127 * (4096 * 2 + 8), "xxh3-64", 8, 258)
+        for key in ("get_vs_raw_read", "batch_get_vs_raw_read", "get_vs_raw_read_same_file"):
+            assert 0.01 < record[key] < 100, (key, record[key])
+    assert fixed["get_us"] > 0 and fixed["raw_open_read_us"] > 0
+    assert os.listdir(tmp_path) == []  # its temporary stores are gone
