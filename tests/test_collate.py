@@ -107,3 +107,12 @@ def test_trailing_dims_that_differ_between_samples_name_the_feature_and_both_sam
     with pytest.raises(CollateError, match=r"feature 'hidden' of sample 'b' has shape \[2, 3\] but feature 'hidden' "
                                            r"of sample 'a' has \[1, 2\]"):
         pad_features([sample(1), sample(2, width=3)], ["a", "b"], ("input_ids", "hidden"), strategy="toy")
+
+
+def test_padding_overwrites_whatever_the_batch_memory_held_before():
+    # the batch is allocated empty: a block just freed, full of 7s, is what it most likely reuses
+    for _ in range(3):
+        junk = torch.full((2, 64, 8), 7.0)
+        del junk
+        out = pad_right([torch.ones(64, 8), torch.ones(3, 8)])
+        assert out[0].eq(1).all() and out[1, :3].eq(1).all() and out[1, 3:].eq(0).all()
