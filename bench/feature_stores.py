@@ -11,7 +11,7 @@ For each store and sample size this prints one JSON line:
 - disk only, ``raw_read_gbps`` and ``get_vs_raw_read`` (target: >= 0.7): get+copy against a
   plain ``readinto`` of a sample file into a preallocated buffer, over a pool of distinct
   sample files of at least 256 MiB, read round robin (get and raw read on different files
-  at each step), as an epoch reads samples: every byte comes from the page cache in DRAM,
+  at each step, at least 40 timed steps), as an epoch reads samples: every byte comes from the page cache in DRAM,
   never from a CPU cache still warm from the previous repeat. ``get_vs_raw_read`` takes one
   sample at a time, each get followed by its copy: the least favourable order for the
   get's fixed cost, since each copy flushes the CPU caches the next get runs from.
@@ -61,6 +61,7 @@ from specforge_core.protocols import BuildContext
 
 HIDDEN = 4096  # a typical target hidden size; one bf16 row is 8 KiB
 POOL_BYTES = 256 * 2**20  # the distinct-sample pool: larger than any CPU cache
+MIN_POOL_STEPS = 40  # timed steps over the pool at least (large samples fill it in a few)
 CONTEXT = BuildContext(run_id="bench")
 
 
@@ -169,7 +170,7 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
                 read_into(paths[(first + k) % count], buffer)
 
         times = []
-        for step in range(max(repeats, 2 * count // size)):
+        for step in range(max(repeats, 2 * count // size, MIN_POOL_STEPS)):
             first = step * size
             get_s = seconds(lambda: get_batch(first))
             settle()  # untimed: the get's unmapping, left on the checks' thread, must not slow the raw read
