@@ -462,10 +462,12 @@ def test_disk_batch_read_checksums_on_another_thread_while_then_runs_and_returns
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_disk_batch_read_drops_its_samples_on_the_checks_thread_and_keeps_what_then_returned(tmp_path, verify):
+def test_disk_batch_read_drops_its_samples_on_the_checks_thread_and_keeps_what_then_returned(tmp_path, verify,
+                                                                                            monkeypatch):
     import threading
 
     from specforge_core.checksums import submit_check
+    from specforge_core.feature_stores import base
 
     store = disk_store(tmp_path / "store", verify_checksums=verify)
     refs = [store.put(f"s{i}", sample_tensors(seed=i)) for i in range(3)]
@@ -476,6 +478,12 @@ def test_disk_batch_read_drops_its_samples_on_the_checks_thread_and_keeps_what_t
             weakref.finalize(sample["hidden_states"], lambda: freed_on.append(threading.current_thread().name))
         return samples[1]["input_ids"]  # then keeps one tensor over one file's map
 
+    # a batch this small (24 KiB) is unmapped on the reader's thread, as get_batch returns
+    kept = store.get_batch(refs, None, then)
+    assert freed_on == [threading.current_thread().name] * 3
+    assert torch.equal(kept, sample_tensors(seed=1)["input_ids"])
+    freed_on.clear()
+    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # as a batch of large samples is
     kept = store.get_batch(refs, None, then)
     submit_check(lambda: None).result()  # the checks' thread has run everything queued before
     assert len(freed_on) == 3 and all(name.startswith("specforge-verify") for name in freed_on)

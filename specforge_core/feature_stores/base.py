@@ -25,9 +25,10 @@ from ..errors import FeatureStoreError, RecordError, SampleNotFoundError, StaleR
 
 T = TypeVar("T")
 
-#: :meth:`BaseFeatureStore.get_batch` runs deferred checks on another thread from this many bytes a batch
-#: (below, the thread hand-off cost more than the overlap saved: 1 MiB samples read alone,
-#: ``bench/feature_stores.py``).
+#: :meth:`BaseFeatureStore.get_batch` hands deferred checks, and a file-mapping store's unmapping, to another
+#: thread from this many bytes a batch. Below, the hand-off cost more than it saved (one 1 MiB sample: 220 us
+#: a get with its checks handed off, 166 checked first; 1.01-1.06x as fast unmapped on the reader's thread;
+#: docs/benchmarks.md).
 DEFER_CHECKS_FROM_BYTES = 2 << 20
 
 #: How many released / aborted sample ids a store remembers to explain a failed get.
@@ -160,12 +161,8 @@ def stale_error(ref: SampleRef, current: int) -> StaleRefError:
 
 def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[Callable[[], None]],
                   then: Callable[[list], T]) -> T:
-    """``then(samples)`` with ``checks`` run first (a small batch) or on the checks' thread beside it; raises the
-    first failed check after ``then``, whose result is then never returned."""
-    if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
-            < DEFER_CHECKS_FROM_BYTES:
-        _run_all(checks)  # a small batch: handing the checks to a thread costs more than it overlaps
-        checks = []
+    """``then(samples)`` with ``checks`` run on the checks' thread beside it; raises the first failed check after
+    ``then``, whose result is then never returned."""
     if not checks:
         return then(samples)
     pending = submit_check(functools.partial(_run_all, checks))
@@ -251,12 +248,14 @@ class BaseFeatureStore:
         checks on a background thread while ``then`` runs here (batches of at least
         :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first): a sample that fails raises
         after ``then``, and ``then``'s result is never returned. Any other error raises as :meth:`get`'s.
-        A store whose tensors are file maps (the disk store) drops the samples on that thread too once
-        ``then`` has run, so unmapping them is off the caller's path (1 MiB samples read in batches of 8:
-        1.09-1.17x as fast as unmapping them here; docs/benchmarks.md); tensors ``then`` kept stay valid.
+        A store whose tensors are file maps (the disk store) drops the samples of such a batch on that thread
+        too once ``then`` has run, so unmapping them is off the caller's path (1 MiB samples read in batches of
+        8: 1.09-1.17x as fast as unmapping them here; docs/benchmarks.md); a smaller batch is unmapped here.
+        Tensors ``then`` kept stay valid.
         """
         samples: list[dict[str, torch.Tensor]] = []
         checks: list[Callable[[], None]] = []
+        apart = self._release_reads_apart
         try:
             for ref in refs:
                 self._check_ref(ref, "get")
@@ -267,9 +266,14 @@ class BaseFeatureStore:
                 del loaded, check  # the lists hold the only references (see the finally below)
             with self._lock:
                 self._counts["gets"] += len(samples)
+            if sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
+                    < DEFER_CHECKS_FROM_BYTES:  # a small batch: a hand-off to a thread costs more than it saves
+                apart = False
+                _run_all(checks)
+                checks = []
             return _then_checked(samples, checks, then)
         finally:
-            if self._release_reads_apart and (samples or checks):
+            if apart and (samples or checks):
                 # The lists' last references are dropped on the checks' thread, so a store whose reads map
                 # files unmaps them there, off the caller's path; whatever ``then`` kept (the list itself,
                 # some tensors) holds its own references and stays as it is.
