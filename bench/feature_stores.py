@@ -32,10 +32,16 @@ For each store and sample size this prints one JSON line:
   the host CPU) with ``checksum_gbps``, its speed here over a DRAM-resident sample, next
   to ``crc32c_gbps`` (the checksum of files from earlier releases; ``crc32c_in_hardware``:
   on the CPU's CRC instructions).
+- disk only, ``loader_vs_raw_read``: the feature loader end to end (``FeatureDataLoader`` over the
+  pool, ``batch`` samples a batch, its background thread reading through ``get_batch`` and
+  collating with ``pad_features``, as every strategy's collate does, into batches made afresh)
+  against raw reads of the same files, an epoch each, alternately.
 - ``fixed_cost`` lines: the per-sample cost that does not scale with bytes, the get of a
   one-token sample against an open + read + close of its file. At 1 MiB this fixed cost,
   plus mapping the pages, is of the order of the data movement itself, which is why small
   samples stay below the large-sample ratio.
+
+The process keeps its C heap as the trainer does (``train.keep_heap``; ``heap`` in each line).
 
 Usage: ``python bench/feature_stores.py --sizes 1,8,64 --repeats 11``
 """
@@ -57,6 +63,7 @@ from specforge_core.checksums import (CRC32C, CRC32C_IN_HARDWARE, DEFAULT_CHECKS
                                      submit_check)
 from specforge_core.feature_stores.disk import DiskFeatureStore
 from specforge_core.feature_stores.memory import MemoryFeatureStore
+from specforge_core.heap import keep_heap
 from specforge_core.protocols import BuildContext
 
 HIDDEN = 4096  # a typical target hidden size; one bf16 row is 8 KiB
@@ -178,9 +185,45 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
         get_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
         raw_gbps, get_gbps = size * file_bytes / raw_s / 1e9, size * nbytes(sample) / get_s / 1e9
         result.update({f"{prefix}raw_read_gbps": raw_gbps, f"{prefix}get_vs_raw_read": get_gbps / raw_gbps})
+    result.update(loader_epochs(store, refs, paths, sample, batch, repeats))
     for ref in refs:
         store.abort(ref.sample_id)
     return result
+
+
+def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], sample: dict[str, torch.Tensor],
+                  batch: int, repeats: int) -> dict:
+    """The feature loader end to end against raw reads: a ``FeatureDataLoader`` epoch over the pool (its
+    background thread reading ``batch`` samples at a time, the collate every strategy runs,
+    ``pad_features``, making each batch afresh) against a raw read of the same files, one epoch each,
+    alternately, ``repeats`` times."""
+    from specforge_core.data.collate import pad_features
+    from specforge_core.data.loader import FeatureDataLoader
+
+    names = list(sample)
+    loader = FeatureDataLoader(store, lambda samples, ids: pad_features(samples, ids, names, strategy="bench"),
+                               batch_size=batch, refs=refs, shuffle=False, release="never")
+    read = paths[:len(loader) * batch]
+    buffers = [bytearray(os.path.getsize(paths[0])) for _ in range(batch)]
+
+    def epoch() -> None:
+        for _batch in loader:
+            pass
+
+    def raw_epoch() -> None:
+        for index, path in enumerate(read):
+            read_into(path, buffers[index % batch])
+
+    epoch()
+    times = []
+    for _ in range(repeats):
+        loader_s = seconds(epoch)
+        settle()
+        times.append((loader_s, seconds(raw_epoch)))
+    loader_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+    raw_gbps = len(read) * len(buffers[0]) / raw_s / 1e9
+    return {"loader_gbps": len(read) * nbytes(sample) / loader_s / 1e9,
+            "loader_vs_raw_read": len(read) * nbytes(sample) / loader_s / 1e9 / raw_gbps}
 
 
 def settle() -> None:
@@ -224,19 +267,21 @@ def main() -> None:
                              "multi-threaded copies turn erratic when other processes share the cores)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    heap = keep_heap()  # as the trainer keeps it (train.keep_heap): the loader's batches come from that heap
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
     for mib in sizes:
         sample = make_sample(mib)
         with MemoryFeatureStore(MemoryStoreOptions(consume_once=False), CONTEXT) as store:
-            emit({"store": "memory", "size_mib": mib, **measure(store, sample, args.repeats, args.batch)})
+            emit({"store": "memory", "size_mib": mib, "heap": heap, **measure(store, sample, args.repeats, args.batch)})
         speeds = {"checksum_gbps": checksum_gbps(DEFAULT_CHECKSUM, sample, args.repeats),
                   "crc32c_gbps": checksum_gbps(CRC32C, sample, args.repeats)}
         with tempfile.TemporaryDirectory(dir=args.dir) as root:
             with DiskFeatureStore(DiskStoreOptions(path=os.path.join(root, "store")), CONTEXT) as store:
                 for verify in (True, False):
                     store.verify_checksums = verify
-                    emit({"store": "disk", "size_mib": mib, "verify_checksums": verify, "fsync": store.fsync,
+                    emit({"store": "disk", "size_mib": mib, "heap": heap, "verify_checksums": verify,
+                          "fsync": store.fsync,
                           "checksum": DEFAULT_CHECKSUM.name, **speeds, "crc32c_in_hardware": CRC32C_IN_HARDWARE,
                           **measure(store, sample, args.repeats, args.batch)})
 

@@ -89,3 +89,71 @@ def test_a_refused_threshold_is_reported_as_the_default_policy(monkeypatch):
 def test_keep_heap_is_a_train_option_on_by_default():
     assert build_options(TrainOptions, {}, section="train").keep_heap is True
     assert build_options(TrainOptions, {"keep_heap": False}, section="train").keep_heap is False
+
+
+# A large tensor made and written once, as a collate makes a batch: the page faults of writing it.
+FILL = """
+import json, resource, sys
+import torch
+from specforge_core.heap import advise_huge_pages
+from specforge_core.data.collate import pad_right
+torch.set_num_threads(1)
+mode = sys.argv[1]
+if mode == "pad":  # two samples of 4096-wide bf16 rows, 32 MiB each: the 64 MiB batch pad_right makes
+    rows = [torch.ones(4096, 4096, dtype=torch.bfloat16), torch.ones(4088, 4096, dtype=torch.bfloat16)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    out = pad_right(rows)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print(json.dumps({"faults": faults, "sum": float(out.sum(dtype=torch.float64)),
+                      "tail": float(out[1, 4088:].abs().sum())}))
+else:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    out = torch.empty(64 << 20, dtype=torch.uint8)
+    advised = advise_huge_pages(out) if mode == "advise" else None
+    out.fill_(1)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print(json.dumps({"faults": faults, "advised": advised, "small": advise_huge_pages(torch.empty(1 << 20))}))
+"""
+
+
+def _transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never), None where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            return fh.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def fill(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", FILL, mode], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    return json.loads(out.stdout)
+
+
+def most_faults(nbytes: int) -> int:
+    """The page faults of writing an advised tensor of ``nbytes`` at most: one per 2 MiB, and small pages at
+    either unaligned end (under 2 MiB each), with some to spare for the interpreter and the 1 MiB tensor."""
+    small = 2 * (heap._HUGE_PAGE // os.sysconf("SC_PAGE_SIZE"))
+    return nbytes // heap._HUGE_PAGE + small + 300
+
+
+@pytest.mark.skipif(_transparent_huge_pages() != "madvise", reason="transparent huge pages on advice only")
+def test_an_advised_large_tensor_faults_in_by_huge_pages_and_a_plain_one_by_small_ones():
+    plain, advised, padded = fill("plain"), fill("advise"), fill("pad")
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert plain["faults"] > 0.9 * pages, plain  # every 4 KiB page on its own
+    assert advised["advised"] is True and advised["small"] is False
+    assert advised["faults"] < most_faults(64 << 20) < 0.1 * pages, advised
+    # pad_right advises the batch it makes, and fills it as before
+    assert padded["faults"] < most_faults(64 << 20), padded
+    assert padded["sum"] == (4096 + 4088) * 4096 and padded["tail"] == 0.0
+
+
+def test_huge_pages_are_advised_for_large_cpu_tensors_only():
+    import torch
+
+    assert heap.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)) is False  # under 32 MiB
+    assert heap.advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8, device="meta")) is False
+    if sys.platform.startswith("linux") and _transparent_huge_pages() is not None:
+        assert heap.advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8)) is True
