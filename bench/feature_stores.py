@@ -11,8 +11,8 @@ For each store and sample size this prints one JSON line:
 - disk only, ``raw_read_gbps`` and ``get_vs_raw_read`` (target: >= 0.7): get+copy against a
   plain ``readinto`` of a sample file into a preallocated buffer, over a pool of distinct
   sample files of at least 256 MiB, read round robin (get and raw read on different files
-  at each step, at least 40 timed steps), as an epoch reads samples: every byte comes from the page cache in DRAM,
-  never from a CPU cache still warm from the previous repeat. ``get_vs_raw_read`` takes one
+  at each step, at least 40 timed steps), as an epoch reads samples: every byte comes from
+  the page cache in DRAM, never from a CPU cache still warm from the previous repeat. ``get_vs_raw_read`` takes one
   sample at a time, each get followed by its copy: the least favourable order for the
   get's fixed cost, since each copy flushes the CPU caches the next get runs from.
   ``batch_get_vs_raw_read`` reads ``batch`` samples at a time the way the feature loader
