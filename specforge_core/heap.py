@@ -79,6 +79,8 @@ def _glibc() -> ctypes.CDLL | None:
 HUGE_PAGES_FROM_BYTES = MMAP_THRESHOLD
 _HUGE_PAGE = 2 << 20  # x86-64's and most ARM64 kernels' transparent huge page
 _MADV_HUGEPAGE = 14  # Linux's madvise advice
+#: ``SPECFORGE_HUGE_PAGES=off`` keeps :func:`advise_huge_pages` from advising anything (``on`` or unset: advise)
+HUGE_PAGES_ENV = "SPECFORGE_HUGE_PAGES"
 
 
 def advise_huge_pages(tensor: Any) -> bool:
@@ -89,10 +91,16 @@ def advise_huge_pages(tensor: Any) -> bool:
     alone: a collate's 64 MiB batch took 34 ms to fill against 6 ms for a buffer already in use, and 12 ms
     with the advice (docs/benchmarks.md). The kernel follows it when its transparent huge pages are
     ``madvise`` or ``always`` (which needs no advice) and ignores it under ``never``; nothing changes for
-    tensors under :data:`HUGE_PAGES_FROM_BYTES`, off Linux, or off the CPU.
+    tensors under :data:`HUGE_PAGES_FROM_BYTES`, off Linux, off the CPU, or with ``SPECFORGE_HUGE_PAGES=off``
+    (for a host whose kernel stalls compacting memory to find huge pages: its ``defrag`` setting).
     """
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < HUGE_PAGES_FROM_BYTES or tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    switch = os.environ.get(HUGE_PAGES_ENV, "").strip().lower()
+    if switch not in ("", "on", "off"):
+        raise ValueError(f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]!r}: expected on or off, or unset")
+    if switch == "off":
         return False
     madvise = _madvise()
     if madvise is None:

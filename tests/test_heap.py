@@ -157,3 +157,18 @@ def test_huge_pages_are_advised_for_large_cpu_tensors_only():
     assert heap.advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8, device="meta")) is False
     if sys.platform.startswith("linux") and _transparent_huge_pages() is not None:
         assert heap.advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8)) is True
+
+
+def test_huge_pages_advice_can_be_switched_off_and_a_misspelt_switch_is_refused(monkeypatch):
+    import torch
+
+    batch = torch.empty(64 << 20, dtype=torch.uint8)
+    monkeypatch.setenv("SPECFORGE_HUGE_PAGES", "off")
+    assert heap.advise_huge_pages(batch) is False
+    monkeypatch.setenv("SPECFORGE_HUGE_PAGES", "yes")
+    with pytest.raises(ValueError, match=r"SPECFORGE_HUGE_PAGES='yes': expected on or off, or unset"):
+        heap.advise_huge_pages(batch)
+    assert heap.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)) is False  # too small to look
+    if sys.platform.startswith("linux") and _transparent_huge_pages() is not None:
+        monkeypatch.setenv("SPECFORGE_HUGE_PAGES", " On ")
+        assert heap.advise_huge_pages(batch) is True
