@@ -185,14 +185,14 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
         get_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
         raw_gbps, get_gbps = size * file_bytes / raw_s / 1e9, size * nbytes(sample) / get_s / 1e9
         result.update({f"{prefix}raw_read_gbps": raw_gbps, f"{prefix}get_vs_raw_read": get_gbps / raw_gbps})
-    result.update(loader_epochs(store, refs, paths, sample, batch, repeats))
+    result.update(loader_epochs(store, refs, paths, file_bytes, sample, batch, repeats))
     for ref in refs:
         store.abort(ref.sample_id)
     return result
 
 
-def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], sample: dict[str, torch.Tensor],
-                  batch: int, repeats: int) -> dict:
+def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], file_bytes: int,
+                  sample: dict[str, torch.Tensor], batch: int, repeats: int) -> dict:
     """The feature loader end to end against raw reads: a ``FeatureDataLoader`` epoch over the pool (its
     background thread reading ``batch`` samples at a time, the collate every strategy runs,
     ``pad_features``, making each batch afresh) against a raw read of the same files, one epoch each,
@@ -204,7 +204,7 @@ def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], sample:
     loader = FeatureDataLoader(store, lambda samples, ids: pad_features(samples, ids, names, strategy="bench"),
                                batch_size=batch, refs=refs, shuffle=False, release="never")
     read = paths[:len(loader) * batch]
-    buffers = [bytearray(os.path.getsize(paths[0])) for _ in range(batch)]
+    buffers = [bytearray(file_bytes) for _ in range(batch)]
 
     def epoch() -> None:
         for _batch in loader:
@@ -221,7 +221,7 @@ def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], sample:
         settle()
         times.append((loader_s, seconds(raw_epoch)))
     loader_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
-    raw_gbps = len(read) * len(buffers[0]) / raw_s / 1e9
+    raw_gbps = len(read) * file_bytes / raw_s / 1e9
     return {"loader_gbps": len(read) * nbytes(sample) / loader_s / 1e9,
             "loader_vs_raw_read": len(read) * nbytes(sample) / loader_s / 1e9 / raw_gbps}
 

@@ -30,6 +30,8 @@ import os
 import sys
 from typing import Any
 
+from .switches import env_choice
+
 #: ``mallopt`` parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -97,10 +99,7 @@ def advise_huge_pages(tensor: Any) -> bool:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < HUGE_PAGES_FROM_BYTES or tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
-    switch = os.environ.get(HUGE_PAGES_ENV, "").strip().lower()
-    if switch not in ("", "on", "off"):
-        raise ValueError(f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]!r}: expected on or off, or unset")
-    if switch == "off":
+    if env_choice(HUGE_PAGES_ENV, ("on", "off")) == "off":
         return False
     madvise = _madvise()
     if madvise is None:

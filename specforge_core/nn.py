@@ -7,7 +7,6 @@ Parameter names follow the Llama/Qwen checkpoints (``weight``; ``gate_proj``, ``
 from __future__ import annotations
 
 import functools
-import os
 import platform
 import weakref
 
@@ -15,6 +14,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .switches import env_choice
 
 
 #: ``SPECFORGE_CPU_HALF_GEMM``: ``fp32`` (bf16/fp16 linears on CPU run as float32 GEMMs), ``native``
@@ -50,15 +51,6 @@ NATIVE_ROUTE = HalfGemmRoute()
 UPCAST_ROUTE = HalfGemmRoute(UPCAST_ROWS, UPCAST_ROWS, far_slower=True)
 #: Intel's AVX512-BF16 without AMX: bf16 at half the float32 rate; its AVX512-FP16 runs float16 at the float32 rate
 HALF_RATE_ROUTE = HalfGemmRoute(UPCAST_ROWS_BF16_DOT, None)
-
-
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The environment variable ``name``, stripped and lower-cased: one of ``choices``, or ``""`` when unset or
-    empty; any other value raises, naming the variable and what it takes (a misspelt switch is not ignored)."""
-    value = os.environ.get(name, "").strip().lower()
-    if value and value not in choices:
-        raise ValueError(f"{name}={os.environ[name]!r}: expected {' or '.join(choices)}, or unset")
-    return value
 
 
 @torch.compiler.assume_constant_result
@@ -99,7 +91,7 @@ def half_gemm_far_slower() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _half_gemm_choice() -> HalfGemmRoute:
-    choice = _env_choice(HALF_GEMM_ENV, ("fp32", "native"))
+    choice = env_choice(HALF_GEMM_ENV, ("fp32", "native"))
     if choice:
         return UPCAST_ROUTE if choice == "fp32" else NATIVE_ROUTE
     cpu = _cpu_identity()
@@ -163,7 +155,7 @@ def onednn_float32() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _onednn_float32_choice() -> bool:
-    choice = _env_choice(FP32_GEMM_ENV, ("onednn", "torch"))
+    choice = env_choice(FP32_GEMM_ENV, ("onednn", "torch"))
     if not (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled):
         return False
@@ -409,7 +401,7 @@ def _packs_head(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     (where :func:`upcast_half_gemm_on_cpu` does not hold), on x86-64 with oneDNN, enabled, outside a process group of
     several ranks (there the head is FSDP2's to gather, into storage it reuses), unless :data:`PACK_HEAD_ENV`
     turns it off."""
-    if _env_choice(PACK_HEAD_ENV, ("on", "off")) == "off":
+    if env_choice(PACK_HEAD_ENV, ("on", "off")) == "off":
         return False
     if not (weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and weight.shape[0] >= 8 * WIDE_COLUMNS and platform.machine().lower() in ("x86_64", "amd64")
