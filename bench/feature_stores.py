@@ -19,10 +19,8 @@ For each store and sample size this prints one JSON line:
   does (``get_batch``: the batch's gets, then the collate's copies, with the checksums of a
   verifying store on another thread beside the copies) against raw reads of as many files;
   samples so large that four batches would not fit the pool are read one at a time
-  (``batch`` says how many were used). ``get_batch`` leaves unmapping the samples to the
-  stores' background thread, off the reader's path; before each raw read the bench waits,
-  untimed, until that thread is idle, so the raw read never shares the CPU with it (without
-  that wait, the unmapping slowed the raw reads by up to a third and flattered the ratios).
+  (``batch`` says how many were used). ``get_batch`` waits for its checksums and unmaps its
+  samples before it returns, so no part of a get runs on beside the raw read that follows.
   ``*_same_file`` is the one-sample comparison
   re-reading one file into one buffer: at 1 MiB that raw read runs at CPU-cache speed, a
   limit no read of fresh samples meets. Every read is warm in the page cache (files were
@@ -59,8 +57,7 @@ from typing import Callable
 import torch
 
 from specforge_core.builtin import DiskStoreOptions, MemoryStoreOptions
-from specforge_core.checksums import (CRC32C, CRC32C_IN_HARDWARE, DEFAULT_CHECKSUM, ChecksumKind, checksum,
-                                     submit_check)
+from specforge_core.checksums import CRC32C, CRC32C_IN_HARDWARE, DEFAULT_CHECKSUM, ChecksumKind, checksum
 from specforge_core.feature_stores.disk import DiskFeatureStore
 from specforge_core.feature_stores.memory import MemoryFeatureStore
 from specforge_core.heap import keep_heap
@@ -179,9 +176,7 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
         times = []
         for step in range(max(repeats, 2 * count // size, MIN_POOL_STEPS)):
             first = step * size
-            get_s = seconds(lambda: get_batch(first))
-            settle()  # untimed: the get's unmapping, left on the checks' thread, must not slow the raw read
-            times.append((get_s, seconds(lambda: read_batch(first + count // 2))))
+            times.append((seconds(lambda: get_batch(first)), seconds(lambda: read_batch(first + count // 2))))
         get_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
         raw_gbps, get_gbps = size * file_bytes / raw_s / 1e9, size * nbytes(sample) / get_s / 1e9
         result.update({f"{prefix}raw_read_gbps": raw_gbps, f"{prefix}get_vs_raw_read": get_gbps / raw_gbps})
@@ -217,18 +212,11 @@ def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], file_by
     epoch()
     times = []
     for _ in range(repeats):
-        loader_s = seconds(epoch)
-        settle()
-        times.append((loader_s, seconds(raw_epoch)))
+        times.append((seconds(epoch), seconds(raw_epoch)))
     loader_s, raw_s = statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
     raw_gbps = len(read) * file_bytes / raw_s / 1e9
     return {"loader_gbps": len(read) * nbytes(sample) / loader_s / 1e9,
             "loader_vs_raw_read": len(read) * nbytes(sample) / loader_s / 1e9 / raw_gbps}
-
-
-def settle() -> None:
-    """Wait until the stores' background thread (deferred checksums, unmapping) has finished what it was given."""
-    submit_check(lambda: None).result()  # one worker, first in first out
 
 
 def fixed_cost(store, repeats: int) -> dict:

@@ -1,42 +1,15 @@
 """bench/feature_stores.py in small: one 1 MiB sample size, two repeats, its JSON lines."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 from specforge_core import heap
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "feature_stores.py"
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_feature_stores", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_settle_returns_once_the_stores_background_thread_has_run_what_it_was_given():
-    from specforge_core.checksums import submit_check
-
-    done = []
-    started = threading.Event()
-
-    def slow():
-        started.set()
-        time.sleep(0.3)
-        done.append(threading.current_thread().name)
-
-    submit_check(slow)
-    started.wait(5)
-    _bench_module().settle()
-    assert len(done) == 1 and done[0].startswith("specforge-verify")
 
 
 def test_one_size_prints_the_memory_and_disk_lines_with_their_ratios(tmp_path):

@@ -199,9 +199,6 @@ class BaseFeatureStore:
     """
 
     uri: str
-    #: Whether :meth:`get_batch` drops the samples it read on a background thread once ``then`` has run (a store
-    #: whose tensors are file maps: unmapping them costs about as much as mapping).
-    _release_reads_apart: bool = False
 
     def __init__(self, *, run_id: str, consume_once: bool) -> None:
         self.run_id = run_id
@@ -248,38 +245,26 @@ class BaseFeatureStore:
         checks on a background thread while ``then`` runs here (batches of at least
         :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first): a sample that fails raises
         after ``then``, and ``then``'s result is never returned. Any other error raises as :meth:`get`'s.
-        A store whose tensors are file maps (the disk store) drops the samples of such a batch on that thread
-        too once ``then`` has run, so unmapping them is off the caller's path (1 MiB samples read in batches of
-        8: 1.09-1.17x as fast as unmapping them here; docs/benchmarks.md); a smaller batch is unmapped here.
-        Tensors ``then`` kept stay valid.
+        The samples are dropped here as ``get_batch`` returns (a disk store's maps unmapped); tensors ``then``
+        kept stay valid. Unmapping them on the checks' thread instead slowed a stream of batches: each unmap
+        there stalled this thread's next maps and page faults (1 MiB samples in batches of 8 read 1.34x as fast
+        with the unmapping here; docs/benchmarks.md).
         """
         samples: list[dict[str, torch.Tensor]] = []
         checks: list[Callable[[], None]] = []
-        apart = self._release_reads_apart
-        try:
-            for ref in refs:
-                self._check_ref(ref, "get")
-                loaded, check = self._load_deferred(ref, select_features(ref, keys))
-                samples.append(loaded)
-                if check is not None:
-                    checks.append(check)
-                del loaded, check  # the lists hold the only references (see the finally below)
-            with self._lock:
-                self._counts["gets"] += len(samples)
-            if sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
-                    < DEFER_CHECKS_FROM_BYTES:  # a small batch: a hand-off to a thread costs more than it saves
-                apart = False
-                _run_all(checks)
-                checks = []
-            return _then_checked(samples, checks, then)
-        finally:
-            if apart and (samples or checks):
-                # The lists' last references are dropped on the checks' thread, so a store whose reads map
-                # files unmaps them there, off the caller's path; whatever ``then`` kept (the list itself,
-                # some tensors) holds its own references and stays as it is.
-                held = [samples, checks]
-                del samples, checks
-                submit_check(held.clear)
+        for ref in refs:
+            self._check_ref(ref, "get")
+            loaded, check = self._load_deferred(ref, select_features(ref, keys))
+            samples.append(loaded)
+            if check is not None:
+                checks.append(check)
+        with self._lock:
+            self._counts["gets"] += len(samples)
+        if sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
+                < DEFER_CHECKS_FROM_BYTES:  # a small batch: a hand-off to a thread costs more than it saves
+            _run_all(checks)
+            checks = []
+        return _then_checked(samples, checks, then)
 
     def release(self, ref: SampleRef) -> None:
         """Say the sample was consumed: a consume-once store frees it, a retaining store keeps it.

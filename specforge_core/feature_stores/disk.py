@@ -103,8 +103,6 @@ class DiskFeatureStore(BaseFeatureStore):
       not per sample; its ``puts``/``gets``/``releases``/``aborts`` count this instance only.
     """
 
-    _release_reads_apart = True  # get_batch unmaps its samples on the checks' thread
-
     def __init__(self, options: DiskStoreOptions, context: BuildContext) -> None:
         root = options.path
         if root is None:
