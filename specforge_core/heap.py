@@ -14,7 +14,8 @@ its GEMMs it changes nothing measurable (SmolLM2-135M DFlash offline, 2.7 s step
 ceiling for its dynamic threshold) come from the heap, and the heap is trimmed only when more
 than 1 GiB is free at its top. After the first steps a step then reuses pages it already has:
 the resident memory stays at the step's high-water mark between steps, which is what the
-step needs anyway, and blocks above 32 MiB are still mapped and unmapped one by one.
+step needs anyway, and blocks above 32 MiB are still mapped and unmapped one by one (a collate's
+large batches are not: :func:`empty_reused` hands them memory earlier batches left).
 
 Only glibc is tuned (Linux); another C library keeps its own policy. A process whose
 environment sets glibc's malloc variables (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import sys
-from typing import Any
+import threading
+from typing import Any, Sequence
 
 from .switches import env_choice
 
@@ -118,3 +121,101 @@ def _madvise() -> Any:
         return None
     madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
     return madvise
+
+
+#: ``SPECFORGE_BATCH_REUSE=off`` makes :func:`empty_reused` allocate afresh every time (``on`` or unset: reuse)
+BATCH_REUSE_ENV = "SPECFORGE_BATCH_REUSE"
+
+
+class BlockPool:
+    """Large CPU blocks handed out again once nothing holds them: :meth:`empty` is ``torch.empty`` over a
+    block no tensor uses any more, or over a new one.
+
+    A block is a torch storage this pool keeps a reference to. Every tensor made over it (and every view of
+    those, every tensor autograd saved, every array sharing its memory) holds the storage too, so a block is
+    free exactly when the pool's reference is the only one left (its use count). Nothing is ever written to a
+    block before that, so reuse never changes a tensor someone still holds. At most ``keep`` blocks are kept;
+    when all of them are in use a request gets plain new memory, and a new block evicts the least recently
+    used free one. A block serves requests from half its size up to its size; new blocks get 1/8 headroom,
+    rounded to 2 MiB, so a batch padded a little longer than the last still fits.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._blocks: list[Any] = []  # storages, least recently handed out first
+        self._lock = threading.Lock()
+        self.stats = {"reused": 0, "new": 0, "unpooled": 0}
+
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        """A CPU tensor of ``shape`` and ``dtype`` whose contents are garbage, as ``torch.empty``'s."""
+        import torch
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            block = self._take(nbytes)
+        if block is None:
+            return torch.empty(tuple(shape), dtype=dtype)
+        return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape))
+
+    def free_blocks(self) -> int:
+        """How many kept blocks no tensor uses now."""
+        with self._lock:
+            return sum(1 for block in self._blocks if _use_count(block) == 1)
+
+    def clear(self) -> None:
+        """Drop every kept block (the memory of those still in use goes when its last tensor does)."""
+        with self._lock:
+            self._blocks.clear()
+
+    def _take(self, nbytes: int) -> Any:
+        import torch
+
+        fitting = [block for block in self._blocks
+                   if nbytes <= block.nbytes() <= 2 * nbytes and _use_count(block) == 1]
+        if fitting:
+            block = min(fitting, key=lambda b: b.nbytes())
+            self._blocks.remove(block)
+            self._blocks.append(block)
+            self.stats["reused"] += 1
+            return block
+        if len(self._blocks) >= self.keep:
+            evictable = [block for block in self._blocks if _use_count(block) == 1]
+            if not evictable:
+                self.stats["unpooled"] += 1
+                return None
+            self._blocks.remove(evictable[0])
+        size = -(-(nbytes + nbytes // 8) // _HUGE_PAGE) * _HUGE_PAGE
+        fresh = torch.empty(size, dtype=torch.uint8)
+        advise_huge_pages(fresh)
+        block = fresh.untyped_storage()
+        del fresh
+        self._blocks.append(block)
+        self.stats["new"] += 1
+        return block
+
+
+def _use_count(storage: Any) -> int:
+    """How many references a storage has: the pool's own is one (``torch._C._storage_Use_Count``, which torch's
+    own CUDA-graph memory reuse reads the same way)."""
+    import torch
+
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+#: the process's pool of large collate batches (:func:`empty_reused`)
+BATCHES = BlockPool()
+
+
+def empty_reused(shape: Sequence[int], dtype: Any, device: Any) -> Any:
+    """``torch.empty(shape, dtype=dtype, device=device)``; a CPU tensor of :data:`HUGE_PAGES_FROM_BYTES` or more
+    comes from :data:`BATCHES`, memory an earlier batch used and nothing holds any more, so it is not mapped,
+    faulted in and zeroed afresh (``SPECFORGE_BATCH_REUSE=off``: always afresh). Fresh memory is advised to
+    huge pages (:func:`advise_huge_pages`)."""
+    import torch
+
+    if torch.device(device).type == "cpu" and math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM_BYTES \
+            and env_choice(BATCH_REUSE_ENV, ("on", "off")) != "off" and hasattr(torch._C, "_storage_Use_Count"):
+        return BATCHES.empty(shape, dtype)
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    advise_huge_pages(out)
+    return out

@@ -172,3 +172,97 @@ def test_huge_pages_advice_can_be_switched_off_and_a_misspelt_switch_is_refused(
     if sys.platform.startswith("linux") and _transparent_huge_pages() is not None:
         monkeypatch.setenv("SPECFORGE_HUGE_PAGES", " On ")
         assert heap.advise_huge_pages(batch) is True
+
+
+MiB = 1 << 20
+
+
+def test_a_pool_block_is_handed_out_again_only_once_no_tensor_view_or_saved_tensor_holds_it():
+    import torch
+
+    pool = heap.BlockPool(keep=4)
+    first = pool.empty((4, MiB), torch.float32)  # 16 MiB: a block of 18 (1/8 headroom, 2 MiB pages)
+    assert first.shape == (4, MiB) and first.dtype == torch.float32 and first.is_contiguous()
+    assert first.untyped_storage().nbytes() == 18 * MiB and pool.stats == {"reused": 0, "new": 1, "unpooled": 0}
+    address = first.data_ptr()
+    row = first[2]
+    del first
+    assert pool.free_blocks() == 0  # a view of it is alive
+    second = pool.empty((4, MiB), torch.float32)
+    assert second.data_ptr() != address and pool.stats["new"] == 2
+    del row
+    assert pool.free_blocks() == 1
+    third = pool.empty((4, MiB - 8), torch.float32)  # a batch padded a little shorter fits the same block
+    assert third.data_ptr() == address and pool.stats["reused"] == 1
+    # a tensor autograd saved for backward holds its block until the graph is gone
+    third.fill_(0.5)
+    weight = torch.ones(MiB - 8, requires_grad=True)
+    loss = (third * weight).sum()
+    del third, second
+    assert pool.free_blocks() == 1  # second's block only
+    loss.backward()
+    assert torch.equal(weight.grad, torch.full((MiB - 8,), 2.0))  # the saved tensor was never overwritten
+    del loss
+    assert pool.free_blocks() == 2
+
+
+def test_a_pool_keeps_at_most_its_blocks_evicting_the_least_recently_used_free_one():
+    import torch
+
+    pool = heap.BlockPool(keep=2)
+    a, b = pool.empty((MiB,), torch.uint8), pool.empty((3 * MiB,), torch.uint8)  # blocks of 2 and 4 MiB
+    held = pool.empty((MiB,), torch.uint8)  # both kept blocks in use: plain memory, not kept
+    assert pool.stats == {"reused": 0, "new": 2, "unpooled": 1} and len(pool._blocks) == 2
+    a_address, b_address = a.data_ptr(), b.data_ptr()
+    del a, b, held
+    assert pool.empty((1536 * 1024,), torch.uint8).data_ptr() == a_address  # the smallest block that fits
+    assert pool.empty((3 * MiB,), torch.uint8).data_ptr() == b_address
+    # a block never serves a request under half its size: a new 10 MiB block evicts the least recently used
+    small = pool.empty((8 * MiB,), torch.uint8)
+    assert pool.stats["new"] == 3 and [block.nbytes() for block in pool._blocks] == [4 * MiB, 10 * MiB]
+    assert pool.empty((3 * MiB,), torch.uint8).data_ptr() == b_address
+    del small
+    pool.clear()
+    assert pool.free_blocks() == 0 and pool._blocks == []
+
+
+def test_large_cpu_batches_come_from_the_process_pool_and_the_switch_turns_it_off(monkeypatch):
+    import torch
+
+    heap.BATCHES.clear()
+    big = heap.empty_reused((2, 16 * MiB), torch.float32, "cpu")  # 128 MiB
+    assert any(block.data_ptr() == big.data_ptr() for block in heap.BATCHES._blocks)
+    address = big.data_ptr()
+    del big
+    assert heap.empty_reused((2, 16 * MiB), torch.bfloat16, torch.device("cpu")).data_ptr() != address  # 64 MiB
+    assert heap.empty_reused((4, 16 * MiB), torch.bfloat16, "cpu").data_ptr() == address  # 128 MiB again
+    # small tensors and other devices are plain torch.empty
+    before = len(heap.BATCHES._blocks)
+    assert heap.empty_reused((MiB,), torch.float32, "cpu").shape == (MiB,)
+    assert heap.empty_reused((2, 16 * MiB), torch.float32, "meta").device.type == "meta"
+    assert len(heap.BATCHES._blocks) == before
+    monkeypatch.setenv("SPECFORGE_BATCH_REUSE", "off")
+    assert heap.empty_reused((2, 16 * MiB), torch.float32, "cpu").shape == (2, 16 * MiB)
+    assert len(heap.BATCHES._blocks) == before
+    monkeypatch.setenv("SPECFORGE_BATCH_REUSE", "of")
+    with pytest.raises(ValueError, match=r"SPECFORGE_BATCH_REUSE='of': expected on or off, or unset"):
+        heap.empty_reused((2, 16 * MiB), torch.float32, "cpu")
+    heap.BATCHES.clear()
+
+
+def test_pad_right_over_a_reused_batch_writes_every_row_and_pad_afresh():
+    import torch
+
+    from specforge_core.data.collate import pad_right
+
+    heap.BATCHES.clear()
+    full = [torch.full((2048, 4096), 7.0, dtype=torch.bfloat16) for _ in range(4)]  # a 64 MiB batch of 7s
+    first = pad_right(full)
+    address = first.data_ptr()
+    del first
+    second = pad_right([torch.ones(2048, 4096, dtype=torch.bfloat16), torch.ones(5, 4096, dtype=torch.bfloat16),
+                        torch.full((1900, 4096), 2.0, dtype=torch.bfloat16), torch.ones(0, 4096, dtype=torch.bfloat16)])
+    assert second.data_ptr() == address and second.shape == (4, 2048, 4096)
+    assert second[0].eq(1).all() and second[1, :5].eq(1).all() and second[1, 5:].eq(0).all()
+    assert second[2, :1900].eq(2).all() and second[2, 1900:].eq(0).all() and second[3].eq(0).all()
+    heap.BATCHES.clear()
