@@ -135,8 +135,9 @@ class BlockPool:
     those, every tensor autograd saved, every array sharing its memory) holds the storage too, so a block is
     free exactly when the pool's reference is the only one left (its use count). Nothing is ever written to a
     block before that, so reuse never changes a tensor someone still holds. At most ``keep`` blocks are kept;
-    when all of them are in use a request gets plain new memory, and a new block evicts the least recently
-    used free one. A block serves requests from half its size up to its size; new blocks get 1/8 headroom,
+    when all of them are in use a request gets plain new memory. A request no free block serves drops the free
+    blocks smaller than it, and its new block evicts the least recently used free one if the pool is full.
+    A block serves requests from half its size up to its size; new blocks get 1/8 headroom,
     rounded to 2 MiB, so a batch padded a little longer than the last still fits.
     """
 
@@ -178,6 +179,9 @@ class BlockPool:
             self._blocks.append(block)
             self.stats["reused"] += 1
             return block
+        # Free blocks too small for this request go first: batches grow as long as the longest sample, and a
+        # block kept for a shorter batch would only hold memory.
+        self._blocks = [block for block in self._blocks if block.nbytes() >= nbytes or _use_count(block) > 1]
         if len(self._blocks) >= self.keep:
             evictable = [block for block in self._blocks if _use_count(block) == 1]
             if not evictable:

@@ -217,11 +217,21 @@ def test_a_pool_keeps_at_most_its_blocks_evicting_the_least_recently_used_free_o
     del a, b, held
     assert pool.empty((1536 * 1024,), torch.uint8).data_ptr() == a_address  # the smallest block that fits
     assert pool.empty((3 * MiB,), torch.uint8).data_ptr() == b_address
-    # a block never serves a request under half its size: a new 10 MiB block evicts the least recently used
-    small = pool.empty((8 * MiB,), torch.uint8)
-    assert pool.stats["new"] == 3 and [block.nbytes() for block in pool._blocks] == [4 * MiB, 10 * MiB]
-    assert pool.empty((3 * MiB,), torch.uint8).data_ptr() == b_address
-    del small
+    # a block never serves a request under half its size; the new block, the pool being full, evicts the least
+    # recently used free one
+    full = heap.BlockPool(keep=2)
+    first, second = full.empty((8 * MiB,), torch.uint8), full.empty((9 * MiB,), torch.uint8)  # 10 and 12 MiB
+    del first, second
+    small = full.empty((MiB,), torch.uint8)
+    assert full.stats["new"] == 3 and [block.nbytes() for block in full._blocks] == [12 * MiB, 2 * MiB]
+    # a request larger than every free block drops those, even with room to spare
+    roomy = heap.BlockPool(keep=8)
+    kept = [roomy.empty((n * MiB,), torch.uint8) for n in (1, 3, 9)]  # blocks of 2, 4 and 12 MiB
+    held = kept[1]
+    del kept
+    roomy.empty((5 * MiB,), torch.uint8)
+    assert sorted(block.nbytes() for block in roomy._blocks) == [4 * MiB, 6 * MiB, 12 * MiB]  # 4 is in use
+    del small, held
     pool.clear()
     assert pool.free_blocks() == 0 and pool._blocks == []
 
