@@ -154,8 +154,10 @@ class BlockPool:
         nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             block = self._take(nbytes)
-        if block is None:
-            return torch.empty(tuple(shape), dtype=dtype)
+        if block is None:  # every kept block in use: plain memory, advised as a new block is
+            out = torch.empty(tuple(shape), dtype=dtype)
+            advise_huge_pages(out)
+            return out
         return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape))
 
     def free_blocks(self) -> int:

@@ -178,3 +178,32 @@ def test_breaking_out_early_stops_the_prefetch_thread(memory):
     while prefetch_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not prefetch_alive()
+
+
+def test_large_batches_a_training_loop_still_holds_are_never_reused_and_dropped_ones_are():
+    """A collate's batches of 32 MiB or more come from a pool of reused memory (specforge_core.heap): a batch
+    the loop keeps, or any view of it, keeps its values while the loader builds the next ones."""
+    from specforge_core import heap
+    from specforge_core.data.collate import pad_features
+
+    heap.BATCHES.clear()
+    store = MemoryFeatureStore(MemoryStoreOptions(consume_once=False), BuildContext())
+    rows = 2100  # about 16 MiB of bf16 4096-wide rows a sample: batches of two over 32 MiB
+    refs = [store.put(f"s{i}", {"input_ids": torch.full((rows - i,), i),
+                                "hidden_states": torch.full((rows - i, 4096), float(i + 1), dtype=torch.bfloat16)})
+            for i in range(8)]
+    loader = FeatureDataLoader(store, lambda samples, ids: pad_features(samples, ids, ["hidden_states", "input_ids"],
+                                                                        strategy="test")[0],
+                               batch_size=2, refs=refs, shuffle=False, prefetch=2)
+    kept = [batch["hidden_states"][1] for batch in loader]  # a view of each batch's second row, kept
+    assert len(kept) == 4 and heap.BATCHES.stats["reused"] == 0
+    for index, row in enumerate(kept):  # sample 2*index+1: its rows, then one row of padding per missing row
+        length = rows - (2 * index + 1)
+        assert row[:length].eq(2 * index + 2).all() and row[length:].eq(0).all()
+    del kept
+    seen = set()
+    for batch in loader:  # each batch dropped before the next is read: the pool hands blocks out again
+        assert batch["hidden_states"][0, : rows - 8].eq(float(batch["input_ids"][0, 0]) + 1).all()
+        seen.add(batch["hidden_states"].data_ptr())
+    assert heap.BATCHES.stats["reused"] >= 1 and len(seen) <= heap.BATCHES.keep
+    heap.BATCHES.clear()
