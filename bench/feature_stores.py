@@ -32,8 +32,9 @@ For each store and sample size this prints one JSON line:
   on the CPU's CRC instructions).
 - disk only, ``loader_vs_raw_read``: the feature loader end to end (``FeatureDataLoader`` over the
   pool, ``batch`` samples a batch, its background thread reading through ``get_batch`` and
-  collating with ``pad_features``, as every strategy's collate does, into batches made afresh)
-  against raw reads of the same files, an epoch each, alternately.
+  collating with ``pad_features``, as every strategy's collate does, into a new batch each time,
+  whose memory, from 32 MiB up, an earlier batch nothing holds any more left) against raw reads of
+  the same files, an epoch each, alternately.
 - ``fixed_cost`` lines: the per-sample cost that does not scale with bytes, the get of a
   one-token sample against an open + read + close of its file. At 1 MiB this fixed cost,
   plus mapping the pages, is of the order of the data movement itself, which is why small
@@ -190,7 +191,7 @@ def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], file_by
                   sample: dict[str, torch.Tensor], batch: int, repeats: int) -> dict:
     """The feature loader end to end against raw reads: a ``FeatureDataLoader`` epoch over the pool (its
     background thread reading ``batch`` samples at a time, the collate every strategy runs,
-    ``pad_features``, making each batch afresh) against a raw read of the same files, one epoch each,
+    ``pad_features``, a new batch each time, as in training) against a raw read of the same files, one epoch each,
     alternately, ``repeats`` times."""
     from specforge_core.data.collate import pad_features
     from specforge_core.data.loader import FeatureDataLoader
