@@ -113,6 +113,15 @@ def advise_huge_pages(tensor: Any) -> bool:
     return last > first and madvise(first, last - first, _MADV_HUGEPAGE) == 0
 
 
+def empty_advised(shape: Sequence[int], dtype: Any, device: Any = "cpu") -> Any:
+    """``torch.empty(shape, dtype=dtype, device=device)``, advised to huge pages (:func:`advise_huge_pages`)."""
+    import torch
+
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    advise_huge_pages(out)
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _madvise() -> Any:
     try:
@@ -155,9 +164,7 @@ class BlockPool:
         with self._lock:
             block = self._take(nbytes)
         if block is None:  # every kept block in use: plain memory, advised as a new block is
-            out = torch.empty(tuple(shape), dtype=dtype)
-            advise_huge_pages(out)
-            return out
+            return empty_advised(shape, dtype)
         return torch.empty(0, dtype=dtype).set_(block, 0, tuple(shape))
 
     def free_blocks(self) -> int:
@@ -191,10 +198,7 @@ class BlockPool:
                 return None
             self._blocks.remove(evictable[0])
         size = -(-(nbytes + nbytes // 8) // _HUGE_PAGE) * _HUGE_PAGE
-        fresh = torch.empty(size, dtype=torch.uint8)
-        advise_huge_pages(fresh)
-        block = fresh.untyped_storage()
-        del fresh
+        block = empty_advised((size,), torch.uint8).untyped_storage()
         self._blocks.append(block)
         self.stats["new"] += 1
         return block
@@ -222,6 +226,4 @@ def empty_reused(shape: Sequence[int], dtype: Any, device: Any) -> Any:
     if torch.device(device).type == "cpu" and math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM_BYTES \
             and env_choice(BATCH_REUSE_ENV, ("on", "off")) != "off" and hasattr(torch._C, "_storage_Use_Count"):
         return BATCHES.empty(shape, dtype)
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
-    advise_huge_pages(out)
-    return out
+    return empty_advised(shape, dtype, device)
