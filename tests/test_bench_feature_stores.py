@@ -28,7 +28,9 @@ def test_one_size_prints_the_memory_and_disk_lines_with_their_ratios(tmp_path):
             127 * (4096 * 2 + 8), "xxh3-64", 8, 258)
         if heap._glibc() is not None and not any(name.startswith("MALLOC_") for name in os.environ):
             assert record["heap"] == "the heap kept between steps (blocks up to 32 MiB, trimmed above 1024 MiB free)"
-        for key in ("get_vs_raw_read", "batch_get_vs_raw_read", "get_vs_raw_read_same_file", "loader_vs_raw_read"):
+        for key in ("get_vs_raw_read", "batch_get_vs_raw_read", "get_vs_raw_read_same_file", "loader_vs_raw_read",
+                    "loader_vs_raw_read_into_batches"):
             assert 0.01 < record[key] < 100, (key, record[key])
+        assert record["raw_read_into_batches_gbps"] > 0
     assert fixed["get_us"] > 0 and fixed["raw_open_read_us"] > 0
     assert os.listdir(tmp_path) == []  # its temporary stores are gone
