@@ -962,48 +962,75 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x cos + rotate_half(x) sin``, ``rotate_half(x) = [-x2, x1]`` for the halves ``x1, x2`` of the last dim:
-    ``x cos`` and then each half's sine term added into it in place, three passes and one tensor where
-    forming ``rotate_half(x)`` took five and four (33-38% faster alone at the bench's shapes)."""
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> None:
+    """``out = x cos + rotate_half(x) sin`` (``rotate_half(x) = [-x2, x1]`` for the halves ``x1, x2`` of the last
+    dim), or with ``inverse`` the transposed rotation ``x cos + rotate_half^T(x sin)`` (``rotate_half^T(u) = [u2,
+    -u1]``), which backward applies to the gradient: ``x cos`` and then each half's sine term added into it in
+    place, three passes and one tensor where forming ``rotate_half(x)`` took five and four (33-38% faster alone
+    at the bench's shapes)."""
     half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-    return out
+    torch.mul(x, cos, out=out)
+    if inverse:
+        out[..., :half].addcmul_(x[..., half:], sin[..., half:])
+        out[..., half:].addcmul_(x[..., :half], sin[..., :half], value=-1)
+    else:
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+
+
+def _rotate(x: torch.Tensor, split: int | None, tables: tuple[torch.Tensor, ...], inverse: bool) -> torch.Tensor:
+    """``x`` rotated in float32 (float64 kept) and returned in its dtype: by ``tables = (cos, sin)``, or, with
+    ``split``, its rows ``[:, :split]`` by ``tables[:2]`` and ``[:, split:]`` by ``tables[2:]``, into one tensor."""
+    x32 = x if x.dtype == torch.float64 else x.float()
+    out = torch.empty_like(x32)
+    if split is None:
+        _rotate_into(out, x32, *tables, inverse)
+    else:
+        _rotate_into(out[:, :split], x32[:, :split], *tables[:2], inverse)
+        _rotate_into(out[:, split:], x32[:, split:], *tables[2:], inverse)
+    return out.to(x.dtype)
 
 
 class _Rope(torch.autograd.Function):
-    """:func:`apply_rope` with its backward written out: ``dx = g cos + rotate_half^T(g sin)``, where
-    ``rotate_half^T(u) = [u2, -u1]``; four ops where autograd through the forward runs about ten,
-    two of them zero-filled slice gradients the size of ``x`` (the step bench's q and k, forward and
-    backward: a DFlash layer's 1.17-1.35 ms instead of 1.35-1.58, an EAGLE3 unroll step's 1.15 instead of 1.35)."""
+    """:func:`apply_rope` and :func:`apply_rope_split` with their backward written out: ``dx = g cos +
+    rotate_half^T(g sin)``; four ops where autograd through the forward runs about ten, two of them zero-filled
+    slice gradients the size of ``x`` (the step bench's q and k, forward and backward: a DFlash layer's 1.17-1.35
+    ms instead of 1.35-1.58, an EAGLE3 unroll step's 1.15 instead of 1.35)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x if x.dtype == torch.float64 else x.float(), cos, sin).to(x.dtype)
+    def forward(ctx, x: torch.Tensor, split: int | None, *tables: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tables)
+        ctx.split = split
+        return _rotate(x, split, tables, inverse=False)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        grad_f = grad if grad.dtype == torch.float64 else grad.float()
-        half = grad_f.shape[-1] // 2
-        out = grad_f * cos  # then rotate_half^T(g sin) added a half at a time, as _rotate does
-        out[..., :half].addcmul_(grad_f[..., half:], sin[..., half:])
-        out[..., half:].addcmul_(grad_f[..., :half], sin[..., :half], value=-1)
-        return out.to(grad.dtype), None, None
+        tables = ctx.saved_tensors
+        return _rotate(grad, ctx.split, tables, inverse=True), None, *(None for _ in tables)
+
+
+def _rope(x: torch.Tensor, split: int | None, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        if any(table.requires_grad for table in tables):
+            raise ValueError("apply_rope's cos and sin are position tables and take no gradient")
+        return _Rope.apply(x, split, *tables)
+    return _rotate(x, split, tables, inverse=False)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x`` rotated by per-position angles (rotate-half convention, as Llama and Qwen3), in
     float32 (float64 for a float64 ``x``), back in ``x``'s dtype. ``cos``/``sin`` broadcast
     against ``x`` (last dim head_dim); they take no gradient (tables of positions)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        if cos.requires_grad or sin.requires_grad:
-            raise ValueError("apply_rope's cos and sin are position tables and take no gradient")
-        return _Rope.apply(x, cos, sin)
-    return _rotate(x if x.dtype == torch.float64 else x.float(), cos, sin).to(x.dtype)
+    return _rope(x, None, (cos, sin))
+
+
+def apply_rope_split(x: torch.Tensor, split: int, first: tuple[torch.Tensor, torch.Tensor],
+                     rest: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """:func:`apply_rope` of ``x [B, T, ...]`` whose rows ``[:, :split]`` take the tables ``first = (cos, sin)`` and
+    rows ``[:, split:]`` the tables ``rest``: one result, as :func:`apply_rope` of the two joined tables gives, without
+    making the joined tables (the DFlash family's keys: the context's tables one row the batch shares, the block's
+    the queries' own)."""
+    return _rope(x, split, (*first, *rest))
 
 
 def compile_layers(layers: "list[nn.Module] | nn.ModuleList") -> None:

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specforge_core.hfconfig import config_value, rope_theta
-from specforge_core.nn import (MAX_BLOCK, RMSNorm, SwiGLU, apply_rope, argmax_last, gated_down_proj, in_float32, linear,
-                               max_last, recompute_mlps, rms_norm, rope_cos_sin, softmax_last_, softmax_logsumexp_)
+from specforge_core.nn import (MAX_BLOCK, RMSNorm, SwiGLU, apply_rope, apply_rope_split, argmax_last, gated_down_proj,
+                               in_float32, linear, max_last, recompute_mlps, rms_norm, rope_cos_sin, softmax_last_,
+                               softmax_logsumexp_)
 
 
 @pytest.mark.parametrize(("config", "theta"), [
@@ -102,6 +103,30 @@ def test_apply_rope_refuses_tables_that_want_a_gradient():
     cos, sin = rope_cos_sin(torch.tensor([1, 2]), head_dim=4, theta=10.0)
     with pytest.raises(ValueError, match="cos and sin are position tables and take no gradient"):
         apply_rope(torch.ones(2, 4, requires_grad=True), cos.requires_grad_(True), sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_apply_rope_split_is_apply_rope_of_the_joined_tables_bit_for_bit(dtype):
+    """Rows [:, :split] by one pair of tables (here one row of them the batch shares), the rest by another: the
+    values and gradients of apply_rope over the two joined, exactly."""
+    gen = torch.Generator().manual_seed(0)
+    split, rest = 5, 3
+    blocks = torch.randint(0, 40, (2, rest), generator=gen)
+    shared = [t[:, :, None] for t in rope_cos_sin(torch.arange(split)[None], head_dim=8, theta=100.0)]  # [1, 5, 1, 8]
+    own = [t[:, :, None] for t in rope_cos_sin(blocks, head_dim=8, theta=100.0)]  # [2, 3, 1, 8]
+    joined = [torch.cat([a.expand(2, -1, -1, -1), b], dim=1) for a, b in zip(shared, own)]
+    x = torch.randn(2, split + rest, 3, 8, generator=gen).to(dtype)
+    grad = torch.randn(2, split + rest, 3, 8, generator=gen).to(dtype)
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, expected = apply_rope_split(mine, split, shared, own), apply_rope(theirs, *joined)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(mine.grad, theirs.grad)
+    with torch.no_grad():
+        assert torch.equal(apply_rope_split(x, split, shared, own), apply_rope(x, *joined))
+    with pytest.raises(ValueError, match="cos and sin are position tables and take no gradient"):
+        apply_rope_split(mine, split, shared, [own[0].requires_grad_(True), own[1]])
 
 
 def test_rmsnorm_and_swiglu_follow_their_formulas():

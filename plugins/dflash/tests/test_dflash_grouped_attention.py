@@ -144,11 +144,11 @@ def test_attention_keeps_the_shared_context_for_backward_not_a_joined_copy_per_l
     ctx, x = torch.randn(batch, seq, hidden, requires_grad=True), torch.randn(batch, queries, hidden)
     positions = torch.arange(seq + queries).expand(batch, -1)
     rope_k = [t[:, :, None] for t in rope_cos_sin(positions, 8, 10000.0)]
-    rope_q = [t[:, seq:] for t in rope_k]
+    rope_q, rope_ctx = [t[:, seq:] for t in rope_k], [t[:1, :seq] for t in rope_k]
     mask = torch.ones(batch, queries, seq + queries, dtype=torch.bool)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = attn(x, ctx, rope_q, rope_k, mask, "sdpa")
+        out = attn(x, ctx, rope_q, rope_ctx, mask, "sdpa")
     assert not any(t.shape == (batch, seq + queries, hidden) for t in saved)
     assert any(t.untyped_storage().data_ptr() == ctx.untyped_storage().data_ptr() for t in saved)
     joined = torch.cat([ctx, x], dim=1)
@@ -265,3 +265,44 @@ def test_cpu_attention_keeps_group_biases_for_the_batch_in_float32_only_and_half
             assert any(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for t in saved)
     for got, want in zip(results[dtype], results[torch.float32]):
         assert 0 < (got - want).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_layers_keep_one_row_of_context_rotary_tables_for_the_whole_batch():
+    """The keys' rotary tables backward keeps: the context's once for the batch (``[1, S, 1, d]``, as views over
+    the batch) and the block's those of the queries, so no ``[B, S+Q, 1, d]`` tables (per sample, the block's
+    made twice) are kept; the hidden states are those of the keys rotated by the joined tables."""
+    from specforge_core.nn import apply_rope, rope_cos_sin
+    from specforge_plugin_dflash.testing import random_target, small_draft
+
+    info, frozen = random_target()
+    _, model = small_draft(DFlashStrategy, DFlashOptions, info, frozen)
+    batch, seq, queries, d = 3, 20, 8, model.config.head_dim
+    gen = torch.Generator().manual_seed(1)
+    ctx = torch.randn(batch, seq, model.config.hidden_size, generator=gen, requires_grad=True)
+    x = torch.randn(batch, queries, model.config.hidden_size, generator=gen)
+    positions = torch.randint(0, 40, (batch, queries), generator=gen)
+    mask = torch.ones(batch, queries, seq + queries, dtype=torch.bool)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model.run_layers(ctx, x, positions, mask)
+    tables = {t.untyped_storage().data_ptr(): t for t in saved if t.dim() == 4 and t.shape[-2:] == (1, d)}
+    assert sorted(tuple(t.untyped_storage().nbytes() for t in tables.values())) == \
+        sorted([seq * d * 4] * 2 + [batch * queries * d * 4] * 2)  # cos and sin: the context's row, the blocks'
+    assert not any(t.shape[:2] == (batch, seq + queries) for t in tables.values())
+    # the same layers with the joined tables of every sample
+    joined = [t[:, :, None] for t in rope_cos_sin(torch.cat([torch.arange(seq).expand(batch, -1), positions], 1),
+                                                  d, model.config.rope_theta)]
+    h = x
+    rope_q = [t[:, seq:] for t in joined]
+    for layer in model.layers:
+        attn = layer.self_attn
+        normed = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(normed).view(batch, queries, -1, d))
+        k = attn.k_norm(torch.cat([attn.k_proj(ctx), attn.k_proj(normed)], 1).view(batch, seq + queries, -1, d))
+        v = torch.cat([attn.v_proj(ctx), attn.v_proj(normed)], 1).view(batch, seq + queries, -1, d)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *joined)
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            attn_mask=mask[:, None], enable_gqa=True)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(batch, queries, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    torch.testing.assert_close(out, model.norm(h), rtol=1e-5, atol=1e-5)
