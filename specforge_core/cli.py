@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -510,16 +511,20 @@ def export_command(source: str, fmt: str | None, dtype: str, output: str) -> Non
     or one checkpoint directory. Writes model.safetensors and config.json in the chosen
     format; see docs/serving.md for the engine command lines.
     """
-    from .export import CONFIG_FILE, export_format, export_model, rebuild_model, resolve_checkpoint, verifier_note
+    from .export import (CONFIG_FILE, check_export_folder, export_format, export_model, is_export, rebuild_model,
+                         resolve_checkpoint, verifier_note)
 
     try:
+        check_export_folder(Path(output))  # before the checkpoint is read
+        replacing = is_export(Path(output))
         checkpoint, run_dir = resolve_checkpoint(source)
         spec, strategy, model, target = rebuild_model(get_plugin_manager(), checkpoint, run_dir)
         fmt = export_format(spec, fmt)
         out = export_model(strategy, model, target, output, spec=spec, fmt=fmt, dtype=dtype)
     except SpecforgeError as exc:
         _fail(exc)
-    click.echo(f"exported {checkpoint.name} of strategy {spec.name} as {fmt} ({dtype}) to {out}")
+    click.echo(f"exported {checkpoint.name} of strategy {spec.name} as {fmt} ({dtype}) to {out}"
+               + (" (replacing the export that was there)" if replacing else ""))
     note = verifier_note(json.loads((out / CONFIG_FILE).read_text()), out)
     if note:
         click.echo(note)

@@ -139,8 +139,7 @@ def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | o
         raise ExportError(f"strategy {spec.name!r} declares export formats {list(spec.export_formats)} but has no "
                           "export method")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"cannot export to {out}: it exists and is not a folder; choose another --output")
+    check_export_folder(out)
     created = not out.exists()  # the strategy's writer makes the folder (and says what it left)
     try:
         strategy.export(model, str(out), target, **accepted_kwargs(strategy.export, fmt=fmt, dtype=dtype))
@@ -148,6 +147,37 @@ def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | o
         _remove_if_empty(out, created)
         raise
     return out
+
+
+def check_export_folder(out: Path) -> None:
+    """Raise unless ``out`` can take an export: a new or empty folder, or one holding an earlier specforge export
+    (which the new one replaces). A checkpoint, a run's directory or a folder of other files is refused, before
+    anything is written: an export there would replace or mix with files it did not write."""
+    from .run_directory import CHECKPOINT_STATE, existing_run
+
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"cannot export to {out}: it exists and is not a folder; choose another --output")
+    if (out / CHECKPOINT_STATE).exists():
+        raise ExportError(f"cannot export to {out}: it is a checkpoint ({CHECKPOINT_STATE}), whose weights the export "
+                          f"would replace; choose a new folder, e.g. --output {out.parent / 'export'}")
+    found = existing_run(out)
+    if found:
+        raise ExportError(f"cannot export to {out}: it holds a run ({', '.join(found[:4])}); choose a new folder, "
+                          f"e.g. --output {out / 'export'}")
+    if any(out.iterdir()) and not is_export(out):
+        raise ExportError(f"cannot export to {out}: the folder is not empty and holds no specforge export "
+                          f"({CONFIG_FILE} naming a strategy); choose a new or empty folder")
+
+
+def is_export(folder: Path) -> bool:
+    """Whether ``folder`` holds a specforge export: a ``config.json`` that names its strategy."""
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get(STRATEGY_FIELD))
 
 
 def accepted_kwargs(function: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:

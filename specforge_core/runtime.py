@@ -15,6 +15,7 @@ This is where topologies are chosen — never in the training loop:
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -191,6 +192,16 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
                           on_checkpoint=getattr(source, "checkpointed", None))
         if resume:
             trainer.resume(resume)  # refuses a changed contract before anything is written
+            finished = _finished_summary(plan, trainer.state.global_step, total_steps)
+            if finished is not None:  # nothing to train: the run's files stay as they are
+                if info.is_main:
+                    print(f"the run in {plan.output} already finished: step {trainer.state.global_step} of "
+                          f"{total_steps}; nothing trained, nothing written. To train longer, raise "
+                          "train.max_steps" + ("" if plan.role == "consumer" else " (and train.epochs to match)"),
+                          file=sys.stderr, flush=True)
+                return finished
+        if plan.role != "consumer" and info.is_main:  # a consumer's stream ends where its producer says
+            _warn_short_epochs(train, batches_per_epoch, total_steps, trainer.state.global_step)
         source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
                      global_step=trainer.state.global_step)
         if info.is_main:  # every check passed: from here on the run writes into its directory
@@ -213,6 +224,29 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if source is not None:
             source.close()
         shutdown()
+
+
+def _finished_summary(plan: RunPlan, global_step: int, total_steps: int) -> dict[str, Any] | None:
+    """The summary of a run that a resume finds finished (at its planned steps, its summary written for that
+    step), else None: a run whose last checkpoint was saved but whose summary was not (a crash between the
+    two) is finished again instead."""
+    if global_step < total_steps:
+        return None
+    try:
+        summary = json.loads((Path(plan.output) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("steps") == global_step else None
+
+
+def _warn_short_epochs(train: Any, batches_per_epoch: int, total_steps: int, global_step: int) -> None:
+    """Say up front when the data's ``train.epochs`` passes end before ``train.max_steps``: the run stops there."""
+    steps_in_epochs = train.epochs * batches_per_epoch // train.accumulation_steps
+    if global_step < steps_in_epochs < total_steps:
+        needed = -(-total_steps * train.accumulation_steps // batches_per_epoch)
+        print(f"train.max_steps is {total_steps}, but train.epochs={train.epochs} pass(es) over the data hold "
+              f"{steps_in_epochs} optimizer steps: the run will stop at step {steps_in_epochs}. Set "
+              f"train.epochs={needed} to reach max_steps.", file=sys.stderr, flush=True)
 
 
 def with_resolved_strategy_options(plan: RunPlan, strategy: Any) -> RunPlan:

@@ -466,6 +466,30 @@ def export_of_a_strategy_that_cannot_export(w):
 
 
 @case
+def export_into_a_checkpoint(w):
+    checkpoint = next(p for p in sorted(w.trained.iterdir()) if (p / "trainer_state.json").exists())
+    return Bad(argv=["export", str(w.trained), "--output", str(checkpoint)], code=1,
+               says=(f"cannot export to {checkpoint}: it is a checkpoint (trainer_state.json), whose weights the "
+                     "export would replace", f"--output {w.trained / 'export'}"))
+
+
+@case
+def export_into_a_run_directory(w):
+    return Bad(argv=["export", str(w.trained), "--output", str(w.trained)], code=1,
+               says=(f"cannot export to {w.trained}: it holds a run (", f"--output {w.trained / 'export'}"))
+
+
+@case
+def export_into_a_folder_of_other_files(w):
+    folder = w.tmp / "notes"
+    write(folder / "config.json", '{"model_type": "llama"}')
+    write(folder / "model.safetensors", b"not ours")
+    return Bad(argv=["export", str(w.trained), "--output", str(folder)], code=1, kept=(folder,),
+               says=(f"cannot export to {folder}: the folder is not empty and holds no specforge export "
+                     "(config.json naming a strategy); choose a new or empty folder",))
+
+
+@case
 def eval_of_a_folder_that_is_no_draft(w):
     return Bad(argv=["eval", "--draft", str(w.trained), "--target-model", str(w.tiny), "--num-prompts", "1"], code=1,
                says=(f"{w.trained} is not an exported draft (no config.json)",))

@@ -38,7 +38,8 @@ def snapshot(folder):
 @pytest.fixture
 def existing(tmp_path):
     """A folder holding an earlier export, and its snapshot."""
-    folder = write_export_files(tmp_path / "export", {"w": torch.arange(6.0).view(2, 3)}, {"name": "old", "n": 1})
+    folder = write_export_files(tmp_path / "export", {"w": torch.arange(6.0).view(2, 3)},
+                                {"name": "old", "n": 1, "specforge_strategy": "tiny"})
     return folder, snapshot(folder)
 
 
@@ -56,7 +57,7 @@ class Tiny(torch.nn.Module):
 def test_written_export_holds_the_tensors_and_sorted_json_config_and_no_temporaries(existing):
     folder, files = existing
     assert sorted(files) == ["config.json", "model.safetensors"]
-    assert files["config.json"].decode() == '{\n  "n": 1,\n  "name": "old"\n}\n'
+    assert files["config.json"].decode() == '{\n  "n": 1,\n  "name": "old",\n  "specforge_strategy": "tiny"\n}\n'
     assert load_file(str(folder / "model.safetensors"))["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
@@ -325,3 +326,30 @@ def test_no_verifier_note_for_a_hub_id_a_native_folder_or_a_config_without_a_ver
     assert verifier_note({"speculators_model_type": "dflash"}, tmp_path) is None
     assert verifier_note({"speculators_model_type": "dflash", "speculators_config": {"verifier": None}}, tmp_path) \
         is None
+
+
+def test_export_model_writes_only_into_a_new_or_empty_folder_or_over_an_earlier_export(tmp_path, existing):
+    class Writes:
+        def export(self, model, out_dir, target):
+            write_export_files(out_dir, {"w": torch.ones(2)}, {"specforge_strategy": "tiny"})
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for folder in (tmp_path / "new" / "deeper", empty, existing[0]):
+        export_model(Writes(), None, None, folder, spec=SPEC)
+        assert load_file(folder / "model.safetensors")["w"].tolist() == [1.0, 1.0]
+    checkpoint = tmp_path / "run" / "run-step4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"the trained weights")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    refused = {checkpoint: f"cannot export to {checkpoint}: it is a checkpoint (trainer_state.json)",
+               tmp_path / "run": f"cannot export to {tmp_path / 'run'}: it holds a run (run-step4)",
+               other: f"cannot export to {other}: the folder is not empty and holds no specforge export"}
+    for folder, message in refused.items():
+        files = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+        with pytest.raises(ExportError, match=re.escape(message)):
+            export_model(Writes(), None, None, folder, spec=SPEC)
+        assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == files

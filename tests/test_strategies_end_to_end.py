@@ -73,7 +73,13 @@ def test_online_run_exports_and_reports_simulated_and_real_acceptance(strategy, 
     again = tmp_path / "again"
     proc = specforge("export", str(out), "--format", "sglang", "--output", str(again))
     assert f"of strategy {strategy} as sglang (bfloat16) to {again}" in proc.stdout
+    assert "replacing" not in proc.stdout
     assert (again / "model.safetensors").read_bytes() == (out / "export" / "model.safetensors").read_bytes()
+    if strategy == "eagle3":  # an earlier export is replaced, and said so
+        proc = specforge("export", str(out), "--format", "sglang", "--dtype", "float32", "--output", str(again))
+        assert f"as sglang (float32) to {again} (replacing the export that was there)" in proc.stdout
+        assert json.loads((again / "config.json").read_text())["torch_dtype"] == "float32"
+        specforge("export", str(out), "--format", "sglang", "--output", str(again))  # bf16 again, for eval below
     result = json.loads(specforge("eval", "--draft", str(again), "--target-model", str(tiny), "--num-prompts", "4",
                                   "--max-new-tokens", "16", "--json").stdout)
     assert result["identical_to_target_greedy"] is True and result["prompts"] == 4

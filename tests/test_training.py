@@ -166,6 +166,28 @@ def test_a_finished_run_is_extended_by_resuming_with_more_steps(site, features, 
     assert state["contract"]["total_steps"] == 10  # the next extension starts from the new horizon
 
 
+def test_resuming_a_finished_run_trains_nothing_and_leaves_its_files_as_they_were(site, features, tmp_path):
+    out = tmp_path / "out"
+    specforge(site, *train_args(features, out, steps=4))
+    files = {path: path.read_bytes() for path in sorted(out.rglob("*")) if path.is_file()}
+    assert json.loads((out / "summary.json").read_text())["tokens_per_s"] > 0
+    proc = specforge(site, *train_args(features, out, "--resume", "latest", steps=4))
+    assert f"the run in {out} already finished: step 4 of 4; nothing trained, nothing written. To train longer, " \
+           "raise train.max_steps (and train.epochs to match)" in proc.stderr
+    assert "done: 4 steps" in proc.stdout
+    assert {path: path.read_bytes() for path in sorted(out.rglob("*")) if path.is_file()} == files
+
+
+def test_max_steps_beyond_the_epochs_says_where_the_run_will_stop(site, features, tmp_path):
+    out = tmp_path / "out"  # 24 samples in batches of 2: 12 optimizer steps an epoch
+    proc = specforge(site, *train_args(features, out, steps=14))
+    assert "train.max_steps is 14, but train.epochs=1 pass(es) over the data hold 12 optimizer steps: the run " \
+           "will stop at step 12. Set train.epochs=2 to reach max_steps." in proc.stderr
+    assert "done: 12 steps" in proc.stdout
+    proc = specforge(site, *train_args(features, tmp_path / "two", "--set", "train.epochs=2", steps=14))
+    assert "train.max_steps is" not in proc.stderr and "done: 14 steps" in proc.stdout
+
+
 def test_resume_against_a_different_target_is_refused(site, features, tmp_path):
     out = tmp_path / "out"
     specforge(site, *train_args(features, out, steps=4))
