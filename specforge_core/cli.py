@@ -467,10 +467,11 @@ def regenerate(target_engine: str | None, target_model: str | None, data: str, o
     from .config import RegenerateOptions, TrainOptions
     from .options import build_options
     from .protocols import BuildContext
-    from .regenerate import run_regenerate
+    from .regenerate import check_paths, run_regenerate
     from .threads import apply_threads
 
     try:
+        check_paths(data, output)  # before the target is loaded
         raw = _raw_config(config_path, assignments, {
             ("target_engine", "name"): target_engine, ("target_engine", "model"): target_model,
             ("regenerate", "max_new_tokens"): max_new_tokens, ("regenerate", "temperature"): temperature,
@@ -538,12 +539,14 @@ def export_command(source: str, fmt: str | None, dtype: str, output: str) -> Non
 @click.option("--target-engine", default="hf", show_default=True, metavar="NAME", help="Target engine plugin.")
 @click.option("--data", "--prompts", "prompts", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL conversations; each is cut at its last user turn. Default: the toy target's eval split.")
-@click.option("--num-prompts", default=32, show_default=True, help="How many prompts to decode.")
-@click.option("--max-new-tokens", default=64, show_default=True, help="Tokens generated per prompt.")
+@click.option("--num-prompts", default=32, show_default=True, type=click.IntRange(min=1),
+              help="How many prompts to decode.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Tokens generated per prompt.")
 @click.option("--set", "assignments", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a strategy or target engine option, e.g. --set strategy.spec_depth=4 or --set "
-                   "target_engine.dtype=bfloat16 (repeatable). The strategy starts from the options it was "
-                   "trained with, recorded in the export.")
+                   "target_engine.dtype=bfloat16 (repeatable), or the CPU threads, --set train.threads=N. The "
+                   "strategy starts from the options it was trained with, recorded in the export.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 def eval_command(draft: str, target_model: str | None, target_engine: str, prompts: str | None, num_prompts: int,
                  max_new_tokens: int, assignments: tuple[str, ...], as_json: bool) -> None:
@@ -556,7 +559,7 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
     two decodes (batch 1, prefill included) on this machine, not a prediction of a GPU
     serving engine's (docs/serving.md says what it does and does not tell).
     """
-    from .config import apply_sets
+    from .config import TrainOptions, apply_sets
     from .export import load_exported_draft
     from .options import build_options
     from .protocols import BuildContext
@@ -565,12 +568,16 @@ def eval_command(draft: str, target_model: str | None, target_engine: str, promp
     from .threads import apply_threads
 
     try:
-        apply_threads(None)
         sets = apply_sets({}, assignments)
-        unknown = sorted(set(sets) - {"strategy", "target_engine"})
+        unknown = sorted(set(sets) - {"strategy", "target_engine", "train"})
         if unknown:
-            raise OptionError(f"`specforge eval --set` takes strategy.KEY=VALUE and target_engine.KEY=VALUE, not "
-                              f"{unknown[0]}.*")
+            raise OptionError(f"`specforge eval --set` takes strategy.KEY=VALUE, target_engine.KEY=VALUE and "
+                              f"train.threads=N, not {unknown[0]}.*")
+        other = sorted(set(sets.get("train") or {}) - {"threads"})
+        if other:
+            raise OptionError(f"`specforge eval --set` takes train.threads only of the train options, not "
+                              f"train.{other[0]}")
+        apply_threads(build_options(TrainOptions, sets.get("train"), section="train").threads)
         manager = get_plugin_manager()
         spec = manager.get("target_engine", target_engine)
         values = {k: v for k, v in sets.get("target_engine", {}).items() if k != "name"}

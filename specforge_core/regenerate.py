@@ -85,11 +85,12 @@ class _Row:
     messages: list[dict[str, str]]
 
 
-def run_regenerate(engine: Any, input_path: str, output_path: str, options: Any, *,
-                   progress: bool = True) -> RegenerateReport:
-    """Regenerate every assistant turn of ``input_path`` into ``output_path`` (see the module doc)."""
+def check_paths(input_path: str, output_path: str) -> None:
+    """Raise unless the input can be read and the output written (a new file, in a folder this user can create
+    or write): what :func:`run_regenerate` checks first, and the CLI before it loads the target."""
+    from .run_directory import check_writable
+
     source, out = Path(input_path), Path(output_path)
-    partial, progress_file = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
     if source.resolve() == out.resolve():
         raise RegenerateError(f"--output {out} is the input file; write the regenerated conversations elsewhere")
     if out.exists():
@@ -97,6 +98,16 @@ def run_regenerate(engine: Any, input_path: str, output_path: str, options: Any,
                               "or remove it")
     if not source.is_file():
         raise RegenerateError(f"cannot read {source}: no such file")
+    check_writable(out.parent, "folder of --output")
+
+
+def run_regenerate(engine: Any, input_path: str, output_path: str, options: Any, *,
+                   progress: bool = True) -> RegenerateReport:
+    """Regenerate every assistant turn of ``input_path`` into ``output_path`` (see the module doc)."""
+    check_paths(input_path, output_path)
+    source, out = Path(input_path), Path(output_path)
+    partial, progress_file = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     identity = {"input": str(source.resolve()), "input_digest": _digest(source), "options": options_to_dict(options),
                 "target": getattr(engine, "model_id", "")}
     done_line, done_bytes = _resume_point(progress_file, partial, identity)

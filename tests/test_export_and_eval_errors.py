@@ -220,10 +220,21 @@ def test_real_accept_rates_count_the_drafts_a_round_reports(tiny_engine, drafts,
     assert result["accept_rates"] == pytest.approx(rates)
 
 
-def test_eval_set_takes_only_strategy_and_target_engine_options(tmp_path):
+def test_eval_set_takes_only_strategy_and_target_engine_options_and_the_threads(tmp_path):
+    proc = run_specforge("eval", "--draft", str(tmp_path), "--set", "data.max_samples=1", expect=2)
+    assert "`specforge eval --set` takes strategy.KEY=VALUE, target_engine.KEY=VALUE and train.threads=N, not " \
+           "data.*" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_specforge("eval", "--draft", str(tmp_path), "--set", "train.lr=1", expect=2)
-    assert "`specforge eval --set` takes strategy.KEY=VALUE and target_engine.KEY=VALUE, not train.*" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "`specforge eval --set` takes train.threads only of the train options, not train.lr" in proc.stderr
+    proc = run_specforge("eval", "--draft", str(tmp_path), "--set", "train.threads=1", expect=1)  # taken: on to the draft
+    assert "using 1 CPU thread(s)" in proc.stderr and f"{tmp_path} is not an exported draft" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--max-new-tokens"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_eval_counts_below_one_are_usage_errors(tmp_path, flag, value):
+    proc = run_specforge("eval", "--draft", str(tmp_path), flag, value, expect=2)
+    assert f"Invalid value for '{flag}': {value} is not in the range x>=1." in proc.stderr
 
 
 def test_export_dtype_outside_the_choices_is_a_usage_error(tmp_path):

@@ -215,6 +215,16 @@ def test_a_reply_ended_by_a_stop_token_is_not_marked(tiny, tmp_path):
 
 def test_the_command_line(tiny, tmp_path):
     source = write(tmp_path / "in.jsonl", [ROWS[2]])
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where a folder would go")
+    proc = run_specforge("regenerate", "--target-model", str(tmp_path / "no-model"), "--data", str(source),
+                         "--output", str(blocked / "out.jsonl"), expect=1)  # refused before the target is loaded
+    assert f"error: the folder of --output {blocked} is a file, not a directory; choose another --output" \
+           in proc.stderr and "Traceback" not in proc.stderr
+    assert blocked.read_text() == "a file where a folder would go"
+    proc = run_specforge("regenerate", "--target-model", str(tiny), "--data", str(source), "--output",
+                         str(tmp_path / "new" / "folder" / "out.jsonl"), "--max-new-tokens", "8")
+    assert len((tmp_path / "new" / "folder" / "out.jsonl").read_text().splitlines()) == 1
     proc = run_specforge("regenerate", "--target-model", str(tiny), "--data", str(source), "--output",
                          str(tmp_path / "out.jsonl"), "--max-new-tokens", "8")
     assert "1 rows read: 1 written, 0 skipped; 1 replies generated (1 cut at max_new_tokens, marked " \
