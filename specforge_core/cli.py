@@ -246,8 +246,9 @@ def _data_values(target_model: str | None, data: str | None, eval_data: str | No
 @_component_option("control_plane")
 @_data_flags
 @_config_options
-@click.option("--output", default=None, type=click.Path(file_okay=False), help="Run output directory.")
-@click.option("--run-id", default=None, help="Name of the run (used in checkpoint names).")
+@click.option("--output", default=None, type=click.Path(file_okay=False),
+              help="Run output directory. Default: runs/RUN_ID (runs/run).")
+@click.option("--run-id", default=None, help="Name of the run (used in checkpoint names). Default: run.")
 @click.option("--features", default=None, type=click.Path(file_okay=False),
               help="Train offline from a features directory written by `specforge capture`; with --role, "
                    "the directory a producer streams into.")
@@ -380,14 +381,19 @@ def _run_result_line(summary: dict[str, Any], summary_path: str) -> str:
 
 def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
     """Print the plan as the run would use it: the output checked, the engine's suggestions applied."""
+    from .features import FeatureSet
     from .run_directory import check_output, check_writable
-    from .runtime import plan_as_run
+    from .runtime import check_resume, plan_as_run
 
     try:
         if plan.role == "producer":
             check_writable(plan.output)
         else:
             check_output(plan.output, resume=resume, overwrite=overwrite)
+            if resume:
+                check_resume(plan, resume, int(os.environ.get("WORLD_SIZE", "1")))
+            if plan.features and plan.role is None:  # an offline run reads a finished capture
+                FeatureSet.open(plan.features)
         shown, applied = plan_as_run(plan)
     except SpecforgeError as exc:
         _fail(exc)

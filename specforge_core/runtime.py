@@ -130,6 +130,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if plan.role not in (None, "consumer"):
             raise RunError(f"a {plan.role} does not train; run it with `specforge run --role {plan.role}`")
         check_output(plan.output, resume=resume, overwrite=overwrite)  # reads only, on every rank
+        if resume:
+            check_resume(plan, resume, info.world_size)
         if overwrite and info.is_main:
             moved = move_aside(plan.output)
             if moved is not None:
@@ -224,6 +226,26 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if source is not None:
             source.close()
         shutdown()
+
+
+def check_resume(plan: RunPlan, resume: str, world_size: int) -> Path:
+    """The checkpoint ``--resume`` names, after the checks that need nothing built: it exists and is complete,
+    and the settings its contract records that the plan states as they are (strategy, batch, accumulation,
+    seed, ranks) are unchanged. The rest of the contract is checked once the run has built its data."""
+    from .training.checkpoint import check_contract, resume_checkpoint
+
+    path = resume_checkpoint(plan.output, resume)
+    try:
+        saved = json.loads((path / "trainer_state.json").read_text())["contract"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return path  # the full check, once the run is built, says what is wrong with it
+    current = {"strategy": plan["strategy"].spec.name, "world_size": world_size,
+               "batch_size": plan.train.batch_size, "accumulation_steps": plan.train.accumulation_steps,
+               "seed": plan.train.seed}
+    for keys in (("strategy",), tuple(current)):  # another strategy is said first: the rest follows from it
+        check_contract({key: saved[key] for key in keys if key in saved},
+                       {key: current[key] for key in keys if key in saved}, path)
+    return path
 
 
 def _finished_summary(plan: RunPlan, global_step: int, total_steps: int) -> dict[str, Any] | None:

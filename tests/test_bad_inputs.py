@@ -351,6 +351,34 @@ def resume_from_a_path_that_is_no_checkpoint(w):
                says=(f"{w.features} is not a complete checkpoint", "pass --resume latest, best, or a checkpoint"))
 
 
+@case
+def resume_from_a_path_that_does_not_exist(w):
+    return Bad(argv=linear_run(w.features, w.tmp / "out", "--resume", str(w.tmp / "nothere")), code=1,
+               says=(f"--resume {w.tmp / 'nothere'}: no such checkpoint directory",
+                     "pass --resume latest, best, or a checkpoint directory"))
+
+
+@case
+def resume_with_another_strategy(w):  # refused before the features or a target are read
+    return Bad(argv=["run", "--strategy", "eagle3", "--features", str(w.tmp / "nofeats"), "--output", str(w.trained),
+                     "--resume", "latest"], code=1,
+               says=(f"cannot resume from {w.trained / 'run-step4'}: strategy changed (checkpoint: 'linear', now: "
+                     "'eagle3')", "resume with the same setting or start a new run"))
+
+
+@case
+def dry_run_resume_with_another_batch_size(w):
+    return Bad(argv=[*linear_run(w.features, w.trained, "--resume", "latest", "--set", "train.batch_size=3"),
+                     "--dry-run"], code=1,
+               says=(f"cannot resume from {w.trained / 'run-step4'}: batch_size changed (checkpoint: 2, now: 3)",))
+
+
+@case
+def dry_run_without_a_features_directory(w):
+    return Bad(argv=[*linear_run(w.tmp / "nofeats", w.tmp / "out"), "--dry-run"], code=1,
+               says=(f"{w.tmp / 'nofeats'} is not a features directory", "create one with `specforge capture`"))
+
+
 # -- target models and data files
 @case
 def missing_model_folder(w):

@@ -188,6 +188,13 @@ def test_max_steps_beyond_the_epochs_says_where_the_run_will_stop(site, features
     assert "train.max_steps is" not in proc.stderr and "done: 14 steps" in proc.stdout
 
 
+def test_resume_latest_into_an_output_without_a_run_creates_nothing(site, features, tmp_path):
+    out = tmp_path / "never"
+    proc = specforge(site, *train_args(features, out, "--resume", "latest", steps=4), expect=1)
+    assert f"no 'latest' checkpoint in {out}: nothing to resume (run without --resume to start fresh)" in proc.stderr
+    assert not out.exists()
+
+
 def test_resume_against_a_different_target_is_refused(site, features, tmp_path):
     out = tmp_path / "out"
     specforge(site, *train_args(features, out, steps=4))

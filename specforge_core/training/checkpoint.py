@@ -196,19 +196,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
     def resolve(self, which: str) -> Path:
         """``latest``, ``best`` or a path -> a complete checkpoint directory."""
-        if which in ("latest", "best"):
-            name = self.pointer(which)
-            if name is None:
-                start = ("start over with --overwrite (it moves what is there aside) or in another --output directory"
-                         if existing_run(self.output_dir) else "run without --resume to start fresh")
-                raise CheckpointError(f"no '{which}' checkpoint in {self.output_dir}: nothing to resume ({start})")
-            path = self.output_dir / name
-        else:
-            path = Path(which)
-        if not (path / STATE_FILE).exists() or not (path / "model.safetensors").exists():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE} or model.safetensors); pass "
-                                  "--resume latest, best, or a checkpoint directory (OUTPUT/RUN_ID-stepN)")
-        return path
+        return resume_checkpoint(self.output_dir, which)
 
     def load(self, path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore weights, this rank's optimizer and RNG state; return the trainer state."""
@@ -222,6 +210,28 @@ class CheckpointManager:
                              json.loads((path / f"optim.rank{rank}.json").read_text()))
         set_rng_state(load_file(str(path / f"rng.rank{rank}.safetensors")))
         return state
+
+
+def resume_checkpoint(output_dir: str | os.PathLike[str], which: str) -> Path:
+    """The complete checkpoint ``--resume which`` names for a run in ``output_dir``: ``latest`` or ``best`` (the
+    pointer files there) or a checkpoint directory. Reads only, so a run checks it before it builds anything."""
+    output_dir = Path(output_dir)
+    if which in ("latest", "best"):
+        pointer = output_dir / which
+        if not pointer.exists():
+            start = ("start over with --overwrite (it moves what is there aside) or in another --output directory"
+                     if existing_run(output_dir) else "run without --resume to start fresh")
+            raise CheckpointError(f"no '{which}' checkpoint in {output_dir}: nothing to resume ({start})")
+        path = output_dir / pointer.read_text().strip()
+    else:
+        path = Path(which)
+        if not path.exists():
+            raise CheckpointError(f"--resume {which}: no such checkpoint directory; pass --resume latest, best, or a "
+                                  "checkpoint directory (OUTPUT/RUN_ID-stepN)")
+    if not (path / STATE_FILE).exists() or not (path / "model.safetensors").exists():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE} or model.safetensors); pass "
+                              "--resume latest, best, or a checkpoint directory (OUTPUT/RUN_ID-stepN)")
+    return path
 
 
 #: The contract field a resume may change: the planned number of optimizer steps (``train.max_steps``, or
