@@ -335,10 +335,26 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         summary = execute(plan, get_plugin_manager(), resume=resume, overwrite=overwrite)
     except SpecforgeError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        _interrupted(plan.output)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(_run_result_line(summary, os.path.join(plan.output, "summary.json")))
     if _launched_rank():
         _end_rank(0)
+
+
+def _interrupted(output: str) -> None:
+    """Ctrl-C during a run: say where it can continue from, and leave with the shell's status for SIGINT."""
+    pointer = Path(output) / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name:
+        click.echo(f"interrupted; the run's latest checkpoint is {Path(output) / name}: continue it with the same "
+                   "command and --resume latest", err=True)
+    else:
+        click.echo(f"interrupted before the run's first checkpoint; nothing to resume in {output}", err=True)
+    if _launched_rank():
+        _end_rank(130)
+    sys.exit(130)
 
 
 def _launched_rank() -> bool:

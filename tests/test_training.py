@@ -195,6 +195,36 @@ def test_resume_latest_into_an_output_without_a_run_creates_nothing(site, featur
     assert not out.exists()
 
 
+def test_ctrl_c_during_a_run_names_the_checkpoint_to_resume_from(site, features, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from sf_helpers import SPECFORGE
+
+    out = tmp_path / "out"
+    env = {**site.env(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([SPECFORGE, *train_args(features, out, "--set", "train.epochs=100000", "--set",
+                                                    "train.save_every=2", steps=1000000)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "latest").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    latest = (out / "latest").read_text().strip()
+    assert f"interrupted; the run's latest checkpoint is {out / latest}: continue it with the same command and " \
+           "--resume latest" in stderr
+    assert "Traceback" not in stderr and "Aborted!" not in stderr
+    resumed = specforge(site, *train_args(features, out, "--set", "train.epochs=100000", "--set", "train.save_every=2",
+                                          "--resume", "latest", steps=int(latest.rsplit("step", 1)[1]) + 2))
+    assert "done:" in resumed.stdout
+
+
 def test_resume_against_a_different_target_is_refused(site, features, tmp_path):
     out = tmp_path / "out"
     specforge(site, *train_args(features, out, steps=4))
