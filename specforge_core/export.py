@@ -68,6 +68,9 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     for pointer in ("best", "latest"):
         if (path / pointer).exists():
             return path / (path / pointer).read_text().strip(), path
+    if is_export(path):
+        raise ExportError(f"{path} is an export already (a draft for serving), not a checkpoint: export from the run "
+                          "directory or the checkpoint it came from")
     raise ExportError(f"{path} is neither a checkpoint (no trainer_state.json) nor a run directory with a "
                       "'best' or 'latest' checkpoint")
 
@@ -459,8 +462,10 @@ def open_export(path: str | os.PathLike[str], *, what: str, error: type[ExportEr
     root = Path(path)
     for name in (CONFIG_FILE, WEIGHTS_FILE) if weights else (CONFIG_FILE,):
         if not (root / name).is_file():
+            hint = (f"; did you mean {root / 'export'}, the run's export?" if (root / "export" / CONFIG_FILE).is_file()
+                    else "")
             raise error(f"{root} is not {what} (no {name}); point at a folder written by `specforge export` "
-                        f"({CONFIG_FILE} + {WEIGHTS_FILE})")
+                        f"({CONFIG_FILE} + {WEIGHTS_FILE}){hint}")
     source = root / CONFIG_FILE
     try:
         data = json.loads(source.read_text(encoding="utf-8"))

@@ -1,6 +1,7 @@
 """Error paths of export, eval and the lossless check, each with its message."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,10 @@ from specforge_core.speculative import LosslessError, greedy_decode, measure_acc
 
 def test_resolve_checkpoint_refuses_a_folder_that_is_neither_run_nor_checkpoint(tmp_path):
     with pytest.raises(ExportError, match="is neither a checkpoint .* nor a run directory with a 'best' or 'latest'"):
+        resolve_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"specforge_strategy": "eagle3"}))
+    with pytest.raises(ExportError, match=re.escape(f"{tmp_path} is an export already (a draft for serving), not a "
+                                                    "checkpoint: export from the run directory or the checkpoint")):
         resolve_checkpoint(tmp_path)
 
 
@@ -51,6 +56,12 @@ def test_loading_a_draft_needs_its_config_and_strategy_name(tmp_path):
     manager = PluginManager().load()
     with pytest.raises(ExportError, match="is not an exported draft \\(no config.json\\)"):
         load_exported_draft(manager, tmp_path, engine=None)
+    run = tmp_path / "run"  # a run's folder, its export beside its checkpoints
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match=re.escape(f"(config.json + model.safetensors); did you mean "
+                                                    f"{run / 'export'}, the run's export?")):
+        load_exported_draft(manager, run, engine=None)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     with pytest.raises(ExportError, match="does not name its strategy \\(specforge_strategy\\)"):
         load_exported_draft(manager, tmp_path, engine=None)

@@ -70,8 +70,9 @@ def specforge_add_commands(cli):
 
         try:
             folder = build_toy_target(output, variant)
-        except SpecforgeError as exc:
-            raise click.ClickException(str(exc)) from None
+        except SpecforgeError as exc:  # as every specforge command reports a refusal
+            click.echo(f"error: {exc}", err=True)
+            raise SystemExit(1) from None
         metrics = read_manifest(folder)["metrics"]
         click.echo(f"toy target ({variant}) in {folder}: eval loss {metrics['eval_loss']:.3f} nats/token "
                    f"(uniform would be {metrics['log_vocab']:.3f})")

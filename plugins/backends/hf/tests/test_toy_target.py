@@ -223,7 +223,10 @@ def test_toy_target_command_refuses_a_non_empty_output(tmp_path):
 
     (tmp_path / "file").write_text("x")
     result = CliRunner().invoke(plugin_cli(), ["toy-target", "--output", str(tmp_path), "--variant", "tiny"])
-    assert result.exit_code != 0 and "already exists and is not an empty folder" in result.output
+    assert result.exit_code == 1
+    assert result.output == (f"error: toy target output {tmp_path} already exists and is not an empty folder; "
+                             "choose a new folder or remove it\n")
+    assert (tmp_path / "file").read_text() == "x"
 
 
 # -- the default target's quality bar -------------------------------------------------------------------------
