@@ -388,6 +388,13 @@ def missing_model_folder(w):
 
 
 @case
+def dry_run_with_a_missing_model_folder(w):  # --dry-run runs the checks the run would, the target's folder too
+    return Bad(argv=["run", *example_args(w.tiny), "--set", f"target_engine.model={w.tmp / 'no-such-model'}",
+                     "--output", str(w.tmp / "out"), "--dry-run"], code=1,
+               says=(f"target model folder {w.tmp / 'no-such-model'} does not exist",))
+
+
+@case
 def foreign_model_folder(w):
     folder = w.tmp / "not-a-model"
     write(folder / "weights.bin", b"\0" * 64)

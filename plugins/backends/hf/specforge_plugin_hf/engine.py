@@ -38,6 +38,7 @@ from specforge_core.serving import WHY_LAST_LAYER, max_servable_layer_id
 from . import HFEngineOptions
 from .attention import register_batch_invariant_attention
 from .attention_support import choose_attention, read_model_attention
+from .model_folder import local_model_folder
 from .errors import CapturePlanError, TargetEngineError, TargetModelNotFoundError
 from .padding import right_pad
 from .toy import ensure_toy_target, read_manifest
@@ -72,7 +73,7 @@ class HFTargetEngine:
             self.model_path: Path | None = ensure_toy_target(self.options.toy_variant)
             source = str(self.model_path)
         else:
-            self.model_path = _local_model_folder(self.options.model)
+            self.model_path = local_model_folder(self.options.model)
             source = str(self.model_path) if self.model_path is not None else self.options.model
         self._toy_manifest = read_manifest(self.model_path) if self.model_path is not None else None
         self._tokenizer = _load_tokenizer(source)
@@ -558,32 +559,6 @@ def _resolve_attention(name: str, device: torch.device, config: Any) -> str:
     if name == "batch_invariant":
         return register_batch_invariant_attention()
     return name
-
-
-def _local_model_folder(model: str) -> Path | None:
-    """The local folder ``model`` names, or None when it can only be a hub id."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise TargetModelNotFoundError(
-                f"target model folder {path} has no config.json; point target_engine.model at a folder written "
-                "by save_pretrained (config.json, *.safetensors and the tokenizer files)"
-            )
-        return path
-    if path.exists():
-        kind = "a file" if path.is_file() else "not a folder"
-        hint = f" (did you mean its folder {path.parent}?)" if (path.parent / "config.json").is_file() else ""
-        raise TargetModelNotFoundError(
-            f"target model path {path} is {kind}{hint}; target_engine.model must name a model folder written by "
-            "save_pretrained, the folder holding config.json, the *.safetensors weights and the tokenizer files"
-        )
-    hub_id = not path.is_absolute() and not model.startswith((".", "~")) and model.count("/") <= 1
-    if not hub_id:
-        raise TargetModelNotFoundError(
-            f"target model folder {path} does not exist; pass a folder written by save_pretrained "
-            "(or a hub id such as org/name when you have network)"
-        )
-    return None
 
 
 def _load_tokenizer(source: str) -> Any:

@@ -16,9 +16,13 @@ TOY_TRAIN_OPTIONS = {"lr": 1e-3, "warmup_steps": 50}
 
 
 def suggested_train_options(options: Any) -> dict[str, Any]:
-    """``TOY_TRAIN_OPTIONS`` when the engine serves a toy target (the default, or a toy folder), else none."""
+    """``TOY_TRAIN_OPTIONS`` when the engine serves a toy target (the default, or a toy folder), else none; a
+    ``model`` that names no model folder is refused as the engine refuses it."""
+    from .model_folder import local_model_folder
     from .toy import read_manifest
 
-    if options.model is not None and read_manifest(Path(options.model).expanduser()) is None:
-        return {}
+    if options.model is not None:
+        local_model_folder(options.model)  # a missing or foreign folder is refused here, by --dry-run too
+        if read_manifest(Path(options.model).expanduser()) is None:
+            return {}
     return dict(TOY_TRAIN_OPTIONS)
