@@ -50,6 +50,8 @@ def test_capture_writes_a_complete_feature_set_at_the_unpadded_minimum(features,
     assert f"{capture['ratio_to_unpadded_minimum']:.3f}x the unpadded minimum" in proc.stdout
     assert (out / "frozen_parts.safetensors").exists() and (out / "token_counts.safetensors").exists()
     assert "train: 40 samples (40 new, 0 reused)" in proc.stdout
+    assert "train: the first 40 of these are captured (data.max_samples)" in proc.stderr
+    assert "40/40" in proc.stderr  # the progress bar knew its total
 
 
 def test_capture_resumes_without_recapturing(site, tiny, features):
@@ -57,6 +59,7 @@ def test_capture_resumes_without_recapturing(site, tiny, features):
     proc = specforge(site, "capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
                      "--set", "data.max_samples=40")
     assert "train: 40 samples (0 new, 40 reused)" in proc.stdout
+    assert "40/40" in proc.stderr  # the samples captured before count on the bar
 
 
 def test_a_capture_with_other_options_lists_its_own_samples_only(site, tiny, features, tmp_path):

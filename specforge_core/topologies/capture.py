@@ -63,8 +63,15 @@ def capture_into(store: Any, engine: Any, plan: CapturePlan, samples: Iterable[A
     Samples whose id is in ``skip`` (already captured: a resumed capture) are not run again.
     ``stop`` (a threading.Event) ends the loop early between batches.
     """
-    todo = (s for s in samples if not skip or s.sample_id not in skip)
-    for batch in _batched(todo, batch_size):
+    def todo() -> Iterator[Any]:
+        for sample in samples:
+            if skip and sample.sample_id in skip:
+                if progress is not None:  # captured before: counted, not run again
+                    progress.update(1)
+                continue
+            yield sample
+
+    for batch in _batched(todo(), batch_size):
         if stop is not None and stop.is_set():
             return
         for sample, features in zip(batch, capture_batch(engine, plan, batch)):

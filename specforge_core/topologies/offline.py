@@ -9,6 +9,7 @@ resumed by seek, with no target model loaded.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from ..config import RunPlan
@@ -112,11 +113,17 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
     options = dict(max_length=plan.data.max_length, last_turn_only=plan.data.last_turn_only, strict=plan.data.strict)
     # A first pass tokenizes without capturing: the data report comes first, and a bad split is
     # refused before anything is written.
+    usable: dict[str, int] = {}  # what each split will capture: the progress bars' totals
     for split, path, keep in splits:
         report = PrepareReport()
         for _ in iter_samples(path, engine.tokenizer, keep_line=keep, report=report, **options):
             pass
         report_split(split, files, report)
+        usable[split] = report.kept
+        if split == "train" and plan.data.max_samples and plan.data.max_samples < report.kept:
+            usable[split] = plan.data.max_samples
+            print(f"train: the first {plan.data.max_samples} of these are captured (data.max_samples)",
+                  file=sys.stderr, flush=True)
     name = plan["strategy"].spec.name
     root, store = create_feature_set(plan.output, strategy=name,
                                      strategy_options=options_to_dict(plan["strategy"].options), plan=capture_plan,
@@ -133,7 +140,8 @@ def run_capture(plan: Any, manager: Any, *, batch_size: int = 8) -> dict[str, An
             samples = (s for i, s in zip(range(plan.data.max_samples), samples))
         seen: set[str] = set()  # this run's samples of the split: a sample stored by an earlier capture of other
         samples = _noting(samples, seen)  # data or options is not one of them, and is not listed
-        with tqdm(desc=f"capture {split}", unit="sample", dynamic_ncols=True, mininterval=0.5) as progress:
+        with tqdm(desc=f"capture {split}", total=usable[split], unit="sample", dynamic_ncols=True,
+                  mininterval=0.5) as progress:
             fresh = list(capture_into(store, engine, capture_plan, samples, batch_size=batch_size, split=split,
                                       strategy=name, skip=set(existing), progress=progress))
         refs = fresh + [r for r in existing.values() if r.meta.get("split") == split and r.sample_id in seen]
