@@ -54,7 +54,8 @@ def specforge_add_commands(cli):
 
     @cli.command(name="toy-target")
     @click.option("--output", "output", required=True, type=click.Path(file_okay=False),
-                  help="New or empty folder to write the toy target into.")
+                  help="New or empty folder to write the toy target into (a folder already holding this very "
+                       "toy target is left as it is).")
     @click.option("--variant", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
                   help="default: the embedded target (about two minutes on CPU); tiny: a second, for tests.")
     def toy_target(output, variant):
