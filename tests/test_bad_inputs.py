@@ -573,8 +573,10 @@ def damaged_stream_database(w):  # defect 5: it used to end in a sqlite3.Databas
     copy = Path(shutil.copytree(features.parent, w.tmp / "stream", symlinks=True))
     database = copy / "shared" / "control" / "metadata.sqlite"
     damage_sample_pages(database)
+    # resumed past its end (a finished run resumed as it was has nothing to read): it reads the stream again
     return Bad(argv=["run", "--role", "consumer", "--features", str(copy / "shared"), "--output",
-                     str(copy / "consumer"), "--resume", "latest", *example_args(w.tiny)], code=1, kept=(copy,),
+                     str(copy / "consumer"), "--resume", "latest", *example_args(w.tiny), "--set",
+                     "train.max_steps=6"], code=1, kept=(copy,),
                says=(f"the metadata database {database}: database disk image is malformed", "restore it from a backup",
                      "a new --features directory"))
 
