@@ -54,7 +54,8 @@ def test_warmup_ratio_is_a_share_of_the_planned_steps_and_warmup_steps_wins():
 
 
 def test_dry_run_shows_the_recipe_defaults_under_the_engines_suggestions(tmp_path):
-    # a target that is not the toy: the strategy's published recipe
+    # a target that is not the toy: the strategy's published recipe (--dry-run checks the folder holds a config)
+    (tmp_path / "config.json").write_text("{}")
     plan = json.loads(run_cli("run", "--strategy", "dflash", "--target-model", str(tmp_path), "--dry-run",
                               check=True).stdout)
     assert (plan["train"]["lr"], plan["train"]["warmup_ratio"], plan["train"]["warmup_steps"]) == (6e-4, 0.04, 0)
