@@ -204,9 +204,12 @@ def test_ctrl_c_during_a_run_names_the_checkpoint_to_resume_from(site, features,
 
     out = tmp_path / "out"
     env = {**site.env(), "OMP_NUM_THREADS": "1"}
+    # Ctrl-C's SIGINT as a terminal delivers it: a run started in the background of a shell without job control
+    # (as CI may start the suite) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([SPECFORGE, *train_args(features, out, "--set", "train.epochs=100000", "--set",
                                                     "train.save_every=2", steps=1000000)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (out / "latest").exists() and time.monotonic() < deadline and proc.poll() is None:
