@@ -170,7 +170,8 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if batches_per_epoch == 0:
             raise RunError(f"{source.samples_per_rank(info.world_size)} training samples per rank make no full "
                            f"batch of {train.batch_size} on {info.world_size} rank(s); lower train.batch_size")
-        total_steps = train.max_steps or max(1, train.epochs * batches_per_epoch // train.accumulation_steps)
+        epoch_steps = max(1, train.epochs * batches_per_epoch // train.accumulation_steps)  # what the data holds
+        total_steps = train.max_steps or epoch_steps
         make_eval = source.eval_loader_factory(strategy.collate, batch_size=train.batch_size, rank=info.rank,
                                                world_size=info.world_size)
         evaluator = Evaluator(strategy, make_eval, info) if make_eval else None
@@ -203,7 +204,7 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
                           file=sys.stderr, flush=True)
                 return finished
         if plan.role != "consumer" and info.is_main:  # a consumer's stream ends where its producer says
-            _warn_short_epochs(train, batches_per_epoch, total_steps, trainer.state.global_step)
+            _warn_short_epochs(train, batches_per_epoch, epoch_steps, total_steps, trainer.state.global_step)
         source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
                      global_step=trainer.state.global_step)
         if info.is_main:  # every check passed: from here on the run writes into its directory
@@ -261,9 +262,10 @@ def _finished_summary(plan: RunPlan, global_step: int, total_steps: int) -> dict
     return summary if isinstance(summary, dict) and summary.get("steps") == global_step else None
 
 
-def _warn_short_epochs(train: Any, batches_per_epoch: int, total_steps: int, global_step: int) -> None:
-    """Say up front when the data's ``train.epochs`` passes end before ``train.max_steps``: the run stops there."""
-    steps_in_epochs = train.epochs * batches_per_epoch // train.accumulation_steps
+def _warn_short_epochs(train: Any, batches_per_epoch: int, steps_in_epochs: int, total_steps: int,
+                       global_step: int) -> None:
+    """Say up front when the data's ``train.epochs`` passes (``steps_in_epochs`` optimizer steps) end before
+    ``train.max_steps``: the run stops there."""
     if global_step < steps_in_epochs < total_steps:
         needed = -(-total_steps * train.accumulation_steps // batches_per_epoch)
         print(f"train.max_steps is {total_steps}, but train.epochs={train.epochs} pass(es) over the data hold "
