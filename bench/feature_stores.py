@@ -146,7 +146,7 @@ def measure(store, sample: dict[str, torch.Tensor], repeats: int, batch: int) ->
 
 
 def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], repeats: int,
-                     batch: int) -> dict:
+                     batch: int, packed: str | None = None) -> dict:
     """get+copy against a raw read over a pool of distinct sample files, as an epoch reads them.
 
     The pool holds at least ``POOL_BYTES`` (beyond any CPU cache), so neither side re-reads
@@ -162,7 +162,15 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
     refs = [store.put(f"pool-{i}", sample) for i in range(count)]
     paths = [store.path_of(ref) for ref in refs]
     file_bytes = os.path.getsize(paths[0])
-    result = {"pool_samples": count, "batch": batch}
+    result = {"pool_samples": count, "batch": batch, "file_bytes": file_bytes}
+    if packed is not None:  # the raw reads keep reading each sample's own file, through a second link to it
+        os.makedirs(packed, exist_ok=True)
+        for index, path in enumerate(paths):
+            os.link(path, os.path.join(packed, f"{index}.safetensors"))
+        paths = [os.path.join(packed, f"{index}.safetensors") for index in range(count)]
+        result["pack"] = store.pack()
+        store.get_batch(refs, None, lambda samples: None)  # the untimed first epoch: the pack's pages mapped
+        result.update(pack_preads(store, refs, file_bytes, batch, repeats))
     for size, prefix in ((1, ""), (batch, "batch_")):
         dests = [{name: torch.empty_like(t) for name, t in sample.items()} for _ in range(size)]
         buffers = [bytearray(file_bytes) for _ in range(size)]
@@ -186,9 +194,37 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
         raw_gbps, get_gbps = size * file_bytes / raw_s / 1e9, size * nbytes(sample) / get_s / 1e9
         result.update({f"{prefix}raw_read_gbps": raw_gbps, f"{prefix}get_vs_raw_read": get_gbps / raw_gbps})
     result.update(loader_epochs(store, refs, paths, file_bytes, sample, batch, repeats))
-    for ref in refs:
-        store.abort(ref.sample_id)
+    if packed is None:
+        for ref in refs:
+            store.abort(ref.sample_id)
     return result
+
+
+def pack_preads(store: DiskFeatureStore, refs: list, file_bytes: int, batch: int, repeats: int) -> dict:
+    """Raw reads of packed samples' bytes out of their pack (one ``preadv`` each at its offset, no open) into
+    reused buffers, one sample and ``batch`` samples at a time, round robin over the pool: the packed layout's
+    own physical read."""
+    places = []
+    for ref in refs:
+        packed = store._packs.find(ref)
+        places.append((packed.pack.path, packed.offset))
+    fds = {path: os.open(path, os.O_RDONLY) for path in {path for path, _ in places}}
+    try:
+        result = {}
+        for size, prefix in ((1, ""), (batch, "batch_")):
+            buffers = [bytearray(file_bytes) for _ in range(size)]
+
+            def read(first: int) -> None:
+                for k, buffer in enumerate(buffers):
+                    path, offset = places[(first + k) % len(places)]
+                    os.preadv(fds[path], [buffer], offset)
+
+            times = [seconds(lambda: read(step * size)) for step in range(max(repeats, 2 * len(refs) // size))]
+            result[f"{prefix}raw_pread_pack_gbps"] = size * file_bytes / statistics.median(times) / 1e9
+        return result
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def loader_epochs(store: DiskFeatureStore, refs: list, paths: list[str], file_bytes: int,
@@ -288,7 +324,15 @@ def main() -> None:
                           "fsync": store.fsync,
                           "checksum": DEFAULT_CHECKSUM.name, **speeds, "crc32c_in_hardware": CRC32C_IN_HARDWARE,
                           **measure(store, sample, args.repeats, args.batch)})
-
+        for verify in (True, False):  # a packed store (DiskFeatureStore.pack): its samples read out of kept maps
+            with tempfile.TemporaryDirectory(dir=args.dir) as root:
+                with DiskFeatureStore(DiskStoreOptions(path=os.path.join(root, "store"),
+                                                       verify_checksums=verify), CONTEXT) as store:
+                    emit({"store": "disk-packed", "size_mib": mib, "heap": heap, "verify_checksums": verify,
+                          "bytes": nbytes(sample),
+                          "checksum": DEFAULT_CHECKSUM.name,
+                          **distinct_samples(store, sample, args.repeats, args.batch,
+                                             packed=os.path.join(root, "raw"))})
 
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         with DiskFeatureStore(DiskStoreOptions(path=os.path.join(root, "store")), CONTEXT) as store:

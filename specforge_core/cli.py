@@ -425,15 +425,18 @@ def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
 @_data_flags
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Features directory to write.")
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per target forward.")
+@click.option("--pack/--no-pack", default=True, show_default=True,
+              help="At the end, move the sample files into packs of about 1 GiB, which training reads faster "
+                   "(their maps are kept from one epoch to the next). --no-pack leaves one file per sample.")
 @_config_options
 def capture(strategy: str | None, target_engine: str | None, target_model: str | None, data: str | None,
-            eval_data: str | None, output: str, batch_size: int, config_path: str | None,
+            eval_data: str | None, output: str, batch_size: int, pack: bool, config_path: str | None,
             assignments: tuple[str, ...]) -> None:
     """Capture target features for offline training (`specforge run --features DIR`).
 
     The strategy's capture plan decides which layers and features are stored. Resumable:
-    samples already in DIR are skipped. Prints bytes per token and the ratio to the
-    unpadded minimum.
+    samples already in DIR are skipped, and samples captured later go into a new pack. Prints
+    bytes per token and the ratio to the unpadded minimum.
     """
     from .config import check_data_files, resolve_plan
     from .preflight import check_plan
@@ -447,10 +450,14 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
         plan = resolve_plan(get_plugin_manager(), raw, default_feature_store="disk")
         check_plan(plan)
         check_data_files(plan)
-        result = run_capture(plan, get_plugin_manager(), batch_size=batch_size)
+        result = run_capture(plan, get_plugin_manager(), batch_size=batch_size, pack=pack)
     except SpecforgeError as exc:
         _fail(exc)
     click.echo(result["eval_split"])
+    if result["packed"] and result["packed"]["samples"]:
+        packed = result["packed"]
+        click.echo(f"packed {packed['samples']} sample files ({packed['bytes'] / 2**20:.1f} MiB) into "
+                   f"{packed['packs']} pack{'s' if packed['packs'] != 1 else ''}")
     for split, report in result["data"].items():
         click.echo(f"{split}: {result['samples'][split]} samples ({report['new']} new, {report['reused']} reused); "
                    f"{report['summary']}")

@@ -9,7 +9,8 @@ epochs without the target model. Layout of ``DIR``::
     DIR/frozen_parts.safetensors    the target's embedding / lm_head / norm weights the draft
                                     reuses (so training needs no target model)
     DIR/token_counts.safetensors    how often each token id is supervised in the train split
-    DIR/store/                      the ``disk`` feature store (one safetensors file per sample)
+    DIR/store/                      the ``disk`` feature store (one safetensors file per sample,
+                                    moved into DIR/store/packs/ at the end of a capture)
 
 Every sample's ref carries ``meta["split"]`` (``train`` or ``eval``).
 """

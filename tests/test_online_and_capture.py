@@ -52,6 +52,13 @@ def test_capture_writes_a_complete_feature_set_at_the_unpadded_minimum(features,
     assert "train: 40 samples (40 new, 0 reused)" in proc.stdout
     assert "train: the first 40 of these are captured (data.max_samples)" in proc.stderr
     assert "40/40" in proc.stderr  # the progress bar knew its total
+    # the sample files went into one pack at the end
+    samples = manifest["samples"]["train"] + manifest["samples"]["eval"]
+    assert f"packed {samples} sample files (" in proc.stdout and " into 1 pack\n" in proc.stdout
+    assert "pack features" in proc.stderr
+    assert list((out / "store").rglob("*.safetensors")) == []
+    assert sorted(p.suffix for p in (out / "store" / "packs").iterdir()) == [".data", ".json"]
+    assert capture["bytes"] == sum(p.stat().st_size for p in (out / "store" / "packs").glob("*.data"))
 
 
 def test_capture_resumes_without_recapturing(site, tiny, features):
@@ -60,6 +67,22 @@ def test_capture_resumes_without_recapturing(site, tiny, features):
                      "--set", "data.max_samples=40")
     assert "train: 40 samples (0 new, 40 reused)" in proc.stdout
     assert "40/40" in proc.stderr  # the samples captured before count on the bar
+    assert "packed" not in proc.stdout  # nothing new to pack
+    assert len(list((out / "store" / "packs").iterdir())) == 2
+
+
+def test_capture_no_pack_leaves_one_file_per_sample_and_a_later_capture_packs_them(site, tiny, tmp_path):
+    out = tmp_path / "feats"
+    args = ["capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out),
+            "--set", "data.max_samples=6"]
+    proc = specforge(site, *args, "--no-pack")
+    assert "packed" not in proc.stdout and not (out / "store" / "packs").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    samples = manifest["samples"]["train"] + manifest["samples"]["eval"]
+    assert manifest["samples"]["train"] == 6 and len(list((out / "store").rglob("*.safetensors"))) == samples
+    proc = specforge(site, *args)
+    assert "train: 6 samples (0 new, 6 reused)" in proc.stdout and f"packed {samples} sample files (" in proc.stdout
+    assert list((out / "store").rglob("*.safetensors")) == []
 
 
 def test_a_capture_with_other_options_lists_its_own_samples_only(site, tiny, features, tmp_path):

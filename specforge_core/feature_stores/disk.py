@@ -5,6 +5,8 @@ Layout of the directory ``ROOT``::
     ROOT/STORE.json                                    format, version, sha256 of the token
     ROOT/ab/cd/<slug>.<digest>.<generation>.safetensors
     ROOT/ab/cd/.<slug>.<digest>.<random>.tmp           a put in progress (or one that crashed)
+    ROOT/packs/pack-<id>.data                          packed samples: their files, back to back
+    ROOT/packs/pack-<id>.json                          a pack's index, written last (its commit)
 
 ``digest`` is the first 32 hex digits of the sample id's sha256 and ``ab/cd`` its first
 four, so a directory holds a few hundred files even for hundreds of millions of samples.
@@ -20,6 +22,15 @@ values in ``specforge.checksums``. Files written before crc32c have no
 ``specforge.checksum`` and zlib crc32s in ``specforge.crc32``. Every one of them is read and
 verified as it is. A feature file is data, never code: nothing here
 unpickles.
+
+A finished store (an offline feature set) can be packed (:meth:`DiskFeatureStore.pack`): its
+sample files are copied, checksums verified, back to back into pack files of about 1 GiB,
+each file's bytes unchanged and starting on a 64-byte boundary, and then deleted. A reader maps
+each pack once, for as long as the store is open, so reading a packed sample is a copy out
+of pages already mapped: no open, map, header parse (a pack's headers are parsed once),
+page faults after the first epoch or unmap per sample, which at 1 MiB cost more than the
+copy itself (``bench/feature_stores.py``). Packed samples are read-only: putting or
+aborting one raises, releasing one keeps it.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import json
 import mmap
 import os
 import re
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
@@ -41,7 +53,7 @@ from safetensors.torch import save_file
 from ..contracts import SampleRef
 from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
 from ..checksums import CHECKSUM_KINDS, CRC32, DEFAULT_CHECKSUM, ChecksumKind, checksum, checksum_bytes
-from ..fileio import fsync_dir
+from ..fileio import atomic_write_text, fsync_dir
 from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
 from .base import BaseFeatureStore, check_token, stale_error, token_hash
@@ -63,6 +75,13 @@ _sha256 = hashlib.sha256
 _SEP = os.sep
 _SHARD = re.compile(r"^[0-9a-f]{2}$")
 _SAMPLE_FILE = re.compile(r"^([A-Za-z0-9_-]*\.[0-9a-f]{32})\.([0-9]+)\.safetensors$")
+_PACKS = "packs"
+_PACK_INDEX = re.compile(r"^pack-([0-9a-f]{12})\.json$")
+_PACK_FORMAT = "specforge-disk-pack"
+_PACK_VERSION = 1
+_PACK_ALIGN = 64  # each packed file starts on a cache line: its tensors keep the alignment they had in the file
+#: default largest pack (a sample larger than this gets a pack of its own)
+PACK_BYTES = 1 << 30
 
 
 class DiskFeatureStore(BaseFeatureStore):
@@ -118,6 +137,7 @@ class DiskFeatureStore(BaseFeatureStore):
         self.fsync = options.fsync
         self.verify_checksums = options.verify_checksums  # checksum of each tensor on every get
         _attach(self.root, options.token, fsync=self.fsync)
+        self._packs = _Packs(os.path.join(self.root, _PACKS))
 
     # -- listing --------------------------------------------------------------------------
 
@@ -144,11 +164,17 @@ class DiskFeatureStore(BaseFeatureStore):
             finally:
                 os.close(fd)
             refs.append(attrs.evolve(stored, store=self.uri))
-        return sorted(refs, key=lambda ref: ref.sample_id)
+        by_id = {ref.sample_id: ref for ref in refs}
+        self._packs.refresh()
+        for sample_id, packed in self._packs.samples.items():
+            if sample_id not in by_id or by_id[sample_id].generation <= packed.generation:
+                by_id[sample_id] = attrs.evolve(packed.ref, store=self.uri)
+        return sorted(by_id.values(), key=lambda ref: ref.sample_id)
 
     def path_of(self, ref: SampleRef) -> str:
-        """The file that holds (or held) ``ref``'s generation of its sample."""
-        return self._file(ref.sample_id, ref.generation)
+        """The file that holds (or held) ``ref``'s generation of its sample: its pack, if it is packed."""
+        packed = self._packs.find(ref)
+        return packed.pack.path if packed is not None else self._file(ref.sample_id, ref.generation)
 
     def _walk(self) -> Iterator[tuple[str, int, os.DirEntry]]:
         """(file-name stem, generation, entry) of every published sample file."""
@@ -187,6 +213,7 @@ class DiskFeatureStore(BaseFeatureStore):
     # -- hooks ----------------------------------------------------------------------------
 
     def _store(self, draft: SampleRef, tensors: dict[str, torch.Tensor]) -> SampleRef:
+        self._refuse_packed(draft.sample_id, "put")
         tensors = _unshared(tensors)
         crcs = json.dumps({name: checksum(tensor, DEFAULT_CHECKSUM) for name, tensor in tensors.items()})
         shard, stem = self._locate(draft.sample_id)
@@ -228,7 +255,12 @@ class DiskFeatureStore(BaseFeatureStore):
                                                                         Callable[[], None] | None]:
         # the checksum pass, if any, is left to the caller: get runs it at once, get_batch beside the collate
         header, mapped, tensors = self._map(ref, names)
-        return tensors, (functools.partial(_verify, header, mapped, names) if self.verify_checksums else None)
+        if not self.verify_checksums:
+            return tensors, None
+        if header.pack is not None:  # checked here, before the copies: from pages already mapped, the hash is
+            _verify_packed(header, mapped, names)  # faster alone than beside the collate's copies on another thread
+            return tensors, None
+        return tensors, functools.partial(_verify, header, mapped, names)
 
     def _map(self, ref: SampleRef, names: list[str]) -> tuple[_Header, mmap.mmap, dict[str, torch.Tensor]]:
         """The file's header, its private map and ``names``' tensors over that map, every check but the
@@ -236,39 +268,32 @@ class DiskFeatureStore(BaseFeatureStore):
         # Kept to few Python steps and syscalls on purpose: with the CPU caches flushed by the
         # previous sample's copy, a get's cost is mostly its interpreter work
         # (bench/feature_stores.py).
-        path = self._file(ref.sample_id, ref.generation)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            newer = [g for g in self._generations(ref.sample_id) if g > ref.generation]
-            if newer:
-                raise stale_error(ref, max(newer)) from None
-            raise self._not_found(ref, f" (no file {path})") from None
-        # Map first, then read the header out of the map: no fstat or pread syscalls. A private
-        # (copy-on-write) map: nothing is read until touched, writes stay in this process, and
-        # the tensors outlive the file.
-        try:
-            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        except ValueError:  # an empty file cannot be mapped
-            raise _corrupt(path, "it is 0 bytes, shorter than a safetensors header") from None
-        finally:
-            os.close(fd)
-        header = _Header.parse(path, mapped, len(mapped))
-        # The file name encodes (sample id digest, generation); the file's own record of the
-        # two must agree. One string compare; files written before that record existed have
+        packed = self._packs.find(ref)
+        if packed is not None:  # the pack's map, kept; the header parsed and checked once
+            header, mapped = packed.header(), packed.pack.mapped()
+        else:
+            header, mapped = self._map_file(ref)
+            if header is None:  # the file went into a pack after this store looked at the packs
+                self._packs.refresh()
+                packed = self._packs.find(ref)
+                if packed is None:
+                    raise self._gone_error(ref)
+                header, mapped = packed.header(), packed.pack.mapped()
+        # The file name (or the pack's index) gives (sample id, generation); the file's own record
+        # of the two must agree. One string compare; files written before that record existed have
         # their stored ref parsed instead.
         if header.metadata.get(_KEY_KEY) != f"{ref.generation}:{ref.sample_id!a}":
             _check_stored_ref(header, ref)
-        entries, features, data_start = header.entries, ref.features, header.data_start
+        entries, features, data_start = header.entries, ref.features, header.data_start + header.offset
         tensors = {}
         for name in names:
             entry = entries.get(name)
             if entry is None:
-                raise _corrupt(path, f"it has no tensor {name!r}, which the ref lists")
+                raise _corrupt(header.path, f"it has no tensor {name!r}, which the ref lists")
             dtype, shape, start, end = entry
             want = features[name]
             if shape != want.shape or dtype != want.dtype:
-                raise _corrupt(path, f"feature {name!r} is {dtype}{list(shape)} but the ref says "
+                raise _corrupt(header.path, f"feature {name!r} is {dtype}{list(shape)} but the ref says "
                                      f"{want.dtype}{list(want.shape)}")
             torch_type, itemsize = _TORCH_TYPES[dtype]
             if end == start:
@@ -281,13 +306,53 @@ class DiskFeatureStore(BaseFeatureStore):
             tensors[name] = tensor
         return header, mapped, tensors
 
+    def _map_file(self, ref: SampleRef) -> tuple[_Header | None, mmap.mmap | None]:
+        """The header and private map of ``ref``'s own file; ``(None, None)`` if there is no such file and no
+        newer generation (it may have been packed)."""
+        path = self._file(ref.sample_id, ref.generation)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            newer = [g for g in self._generations(ref.sample_id) if g > ref.generation]
+            if newer:
+                raise stale_error(ref, max(newer)) from None
+            return None, None
+        # Map first, then read the header out of the map: no fstat or pread syscalls. A private
+        # (copy-on-write) map: nothing is read until touched, writes stay in this process, and
+        # the tensors outlive the file.
+        try:
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except ValueError:  # an empty file cannot be mapped
+            raise _corrupt(path, "it is 0 bytes, shorter than a safetensors header") from None
+        finally:
+            os.close(fd)
+        return _Header.parse(path, mapped, len(mapped)), mapped
+
+    def _gone_error(self, ref: SampleRef) -> Exception:
+        packed = self._packs.samples.get(ref.sample_id)
+        if packed is not None and packed.generation > ref.generation:
+            return stale_error(ref, packed.generation)
+        return self._not_found(ref, f" (no file {self._file(ref.sample_id, ref.generation)})")
+
     def _release(self, ref: SampleRef) -> bool:
         path = self._file(ref.sample_id, ref.generation)
+        if self._packs.find(ref) is not None:  # packs are read-only: a packed sample stays (a leftover file goes)
+            if self.consume_once:
+                _remove(path)
+            return True
         if not self.consume_once:
             return os.path.exists(path)
         return _remove(path)
 
+    def _refuse_packed(self, sample_id: str, op: str) -> None:
+        packed = self._packs.samples.get(sample_id)
+        if packed is not None:
+            raise FeatureStoreError(
+                f"{op}({sample_id!r}): the sample is packed in {packed.pack.path}, and packs are read-only; "
+                f"nothing was changed (capture such samples into a new features directory)")
+
     def _drop(self, sample_id: str) -> bool:
+        self._refuse_packed(sample_id, "abort")
         removed = [_remove(path) for path in self._generations(sample_id).values()]
         return any(removed)
 
@@ -299,7 +364,102 @@ class DiskFeatureStore(BaseFeatureStore):
             except FileNotFoundError:  # released while we walked
                 continue
             stems.add(stem)
-        return len(stems), nbytes
+        self._packs.refresh()
+        stems.update(self._locate(sample_id)[1] for sample_id in self._packs.samples)
+        return len(stems), nbytes + sum(pack.size for pack in self._packs.packs)
+
+    # -- packs ----------------------------------------------------------------------------
+
+    def pack(self, *, max_bytes: int = PACK_BYTES,
+             progress: Callable[[int, int], Any] | None = None) -> dict[str, int]:
+        """Move every sample file into packs of at most ``max_bytes`` (see the module docstring).
+
+        For a finished store that nothing writes to meanwhile (run one pack at a time). Each file
+        is read, its header checked and its checksums verified before it is copied: a damaged file
+        raises :class:`CorruptFeatureError` naming it, and the packs committed before it stay. A pack
+        is committed by its index, written after its data is synced; only then are its files
+        deleted. A crash leaves either the files or the pack (or both, which read the same), never
+        neither. ``progress(nbytes, total)`` is called as each file is copied (``total``: the bytes of all
+        the files to pack). Returns the counts:
+        ``packs``, ``samples`` and ``bytes`` (the files' bytes) packed now.
+        """
+        self._check_open("pack")
+        packs_dir = self._packs.dir
+        os.makedirs(packs_dir, exist_ok=True)
+        names = set(os.listdir(packs_dir))
+        for name in names:  # what a pack left that crashed before its index was written
+            if name.startswith(".pack-") or (name.endswith(".data") and name[:-len(".data")] + ".json" not in names):
+                _remove(os.path.join(packs_dir, name))
+        self._packs.refresh()
+        files = []  # (sample id, generation, path, size) of every file to pack
+        newest: dict[str, tuple[int, os.DirEntry]] = {}
+        for stem, generation, entry in self._walk():
+            if generation > newest.get(stem, (-1, None))[0]:
+                newest[stem] = (generation, entry)
+        for generation, entry in newest.values():
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                stored = self._stored_ref(_Header.read(entry.path, fd))
+            finally:
+                os.close(fd)
+            packed = self._packs.samples.get(stored.sample_id)
+            if packed is not None and packed.generation >= generation:  # left by a pack that crashed before
+                _remove(entry.path)  # deleting it (or older than a packed generation)
+                continue
+            files.append((stored.sample_id, generation, entry.path, size))
+        files.sort()
+        counts = {"packs": 0, "samples": len(files), "bytes": sum(item[3] for item in files)}
+        report = None if progress is None else functools.partial(progress, total=counts["bytes"])
+        group: list[tuple[str, int, str, int]] = []
+        total = 0
+        for item in files:
+            if group and total + item[3] > max_bytes:
+                self._write_pack(group, report)
+                counts["packs"] += 1
+                group, total = [], 0
+            group.append(item)
+            total += -(-item[3] // _PACK_ALIGN) * _PACK_ALIGN
+        if group:
+            self._write_pack(group, report)
+            counts["packs"] += 1
+        return counts
+
+    def _write_pack(self, files: list[tuple[str, int, str, int]], progress: Callable[[int], Any] | None) -> None:
+        """One pack of ``files`` (sample id, generation, path, size): data, then index, then the files deleted."""
+        packs_dir = self._packs.dir
+        name = f"pack-{uuid.uuid4().hex[:12]}"
+        tmp = os.path.join(packs_dir, f".{name}.data.tmp")
+        samples, offset = [], 0
+        try:
+            with open(tmp, "wb") as out:
+                for sample_id, generation, path, size in files:
+                    with open(path, "rb") as fh:
+                        data = fh.read()
+                    if len(data) != size:
+                        raise _corrupt(path, f"it changed size while being packed ({size} then {len(data)} bytes)")
+                    header = _Header.parse(path, data, size)
+                    _verify(header, data, header.entries)
+                    stored = self._stored_ref(header)
+                    out.write(data)
+                    padding = -size % _PACK_ALIGN
+                    out.write(b"\0" * padding)
+                    samples.append([sample_id, generation, offset, size, stored.to_json()])
+                    offset += size + padding
+                    if progress is not None:
+                        progress(size)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, os.path.join(packs_dir, f"{name}.data"))
+            index = {"format": _PACK_FORMAT, "version": _PACK_VERSION, "data": f"{name}.data", "bytes": offset,
+                     "samples": samples}
+            atomic_write_text(os.path.join(packs_dir, f"{name}.json"), json.dumps(index), fsync=True)
+            fsync_dir(packs_dir)
+        finally:
+            _remove(tmp)
+        self._packs.refresh()
+        for _sample_id, _generation, path, _size in files:
+            _remove(path)
 
     # -- reading one file -----------------------------------------------------------------
 
@@ -322,6 +482,111 @@ class DiskFeatureStore(BaseFeatureStore):
         if self.fsync:  # the new directories' own entries must survive a crash too
             fsync_dir(os.path.dirname(shard))
             fsync_dir(self.root)
+
+
+# -- packs ----------------------------------------------------------------------------------
+
+
+class _Pack:
+    """One committed pack's data file, mapped on first use and kept mapped while the store is open.
+
+    The map is private (copy-on-write), as a sample file's: the tensors handed out are views of it,
+    and a caller writing into one changes only this process's copy of the page.
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def mapped(self) -> mmap.mmap:
+        if self._map is None:
+            with self._lock:
+                if self._map is None:
+                    try:
+                        fd = os.open(self.path, os.O_RDONLY)
+                    except FileNotFoundError:
+                        raise FeatureStoreError(f"{self.path} is gone but its index is still there: packs must not "
+                                                "be deleted apart from their index (pack-<id>.json)") from None
+                    try:
+                        if os.fstat(fd).st_size != self.size:
+                            raise _corrupt(self.path, f"it is {os.fstat(fd).st_size} bytes, but its index says "
+                                                      f"{self.size}")
+                        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    finally:
+                        os.close(fd)
+        return self._map
+
+
+class _Packed(NamedTuple):
+    """Where one packed sample lies: its generation, pack, offset and size, and its stored ref."""
+
+    generation: int
+    pack: _Pack
+    offset: int
+    size: int
+    ref: SampleRef
+    headers: dict  # the pack's parsed headers, by sample id (shared by the pack's samples)
+
+    def header(self) -> _Header:
+        """The sample's header, parsed from the pack and checked on first use, then kept."""
+        header = self.headers.get(self.ref.sample_id)
+        if header is None:
+            mapped, label = self.pack.mapped(), f"{self.pack.path} (sample {self.ref.sample_id!r})"
+            length = int.from_bytes(mapped[self.offset:self.offset + 8], "little") if self.size >= 8 else 0
+            head = mapped[self.offset:self.offset + 8 + min(length, max(self.size - 8, 0))]
+            header = _Header.parse(label, head, self.size)._replace(offset=self.offset, pack=self.pack.path)
+            self.headers[self.ref.sample_id] = header
+        return header
+
+
+class _Packs:
+    """The committed packs of a store's ``packs`` directory, by sample id; :meth:`refresh` reads new indexes."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self.packs: list[_Pack] = []
+        self.samples: dict[str, _Packed] = {}
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self.refresh()
+
+    def find(self, ref: SampleRef) -> _Packed | None:
+        packed = self.samples.get(ref.sample_id)
+        return packed if packed is not None and packed.generation == ref.generation else None
+
+    def refresh(self) -> None:
+        try:
+            names = sorted(name for name in os.listdir(self.dir) if _PACK_INDEX.match(name))
+        except FileNotFoundError:
+            return
+        with self._lock:
+            for name in names:
+                if name not in self._seen:
+                    self._load(os.path.join(self.dir, name))
+                    self._seen.add(name)
+
+    def _load(self, path: str) -> None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                index = json.load(fh)
+            if index.get("format") != _PACK_FORMAT or index.get("version") != _PACK_VERSION:
+                raise ValueError(f"format {index.get('format')!r} version {index.get('version')!r}, not "
+                                 f"{_PACK_FORMAT!r} version {_PACK_VERSION}")
+            pack = _Pack(os.path.join(self.dir, os.path.basename(index["data"])), int(index["bytes"]))
+            headers: dict[str, _Header] = {}
+            entries = [_Packed(int(generation), pack, int(offset), int(size), SampleRef.from_json(ref), headers)
+                       for _sample_id, generation, offset, size, ref in index["samples"]]
+        except (OSError, ValueError, TypeError, KeyError, RecordError) as exc:
+            raise CorruptFeatureError(f"{path}: the pack index cannot be read ({exc}); restore it, or delete it "
+                                      "with its .data file and capture those samples again") from None
+        for packed in entries:
+            if packed.offset % _PACK_ALIGN or packed.offset + packed.size > pack.size:
+                raise CorruptFeatureError(f"{path}: sample {packed.ref.sample_id!r} lies outside its pack")
+            current = self.samples.get(packed.ref.sample_id)
+            if current is None or current.generation < packed.generation:
+                self.samples[packed.ref.sample_id] = packed
+        self.packs.append(pack)
 
 
 # -- the directory's manifest ---------------------------------------------------------------
@@ -411,6 +676,8 @@ class _Header(NamedTuple):
     metadata: dict[str, str]
     entries: dict[str, tuple]  # name -> (dtype, shape, start, end), offsets relative to data_start
     data_start: int
+    offset: int = 0  # where the file starts in what is read: a packed file's place in its pack
+    pack: str | None = None  # the pack's path, for a packed file
 
     @classmethod
     def read(cls, path: str, fd: int) -> _Header:
@@ -454,13 +721,36 @@ def _verify(header: _Header, data: Any, names: Iterable[str]) -> None:
     """Raise :class:`CorruptFeatureError` unless each of ``names``' bytes in ``data`` (the file's contents,
     its map) has the checksum its file records. Hashes the bytes where they lie, no tensor made."""
     kind, crcs = _recorded_crcs(header)
-    view, entries, data_start = memoryview(data), header.entries, header.data_start
+    view, entries, data_start = memoryview(data), header.entries, header.offset + header.data_start
     for name in names:
         _dtype, _shape, start, end = entries[name]
         actual = checksum_bytes(view[data_start + start:data_start + end], kind)
         if actual != crcs.get(name):
             raise _corrupt(header.path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
                                         f"read {actual}): its bytes changed after they were written")
+
+
+def _verify_packed(header: _Header, mapped: Any, names: Iterable[str]) -> None:
+    """:func:`_verify` of a packed sample in its pack's kept map; if its bytes there fail, check them in the pack file:
+    bytes that are right on disk were written to in this process's map, after an earlier get."""
+    names = list(names)
+    try:
+        _verify(header, mapped, names)
+    except CorruptFeatureError:
+        fd = os.open(header.pack, os.O_RDONLY)
+        try:
+            end = max(header.entries[name][3] for name in names)
+            on_disk = os.pread(fd, header.data_start + end, header.offset)
+        finally:
+            os.close(fd)
+        try:
+            _verify(header._replace(offset=0), on_disk, names)
+        except CorruptFeatureError:
+            raise  # the pack itself is damaged
+        raise FeatureStoreError(
+            f"{header.path}: the sample's bytes in this process's map of the pack differ from the file, which is "
+            "intact: a caller wrote into tensors an earlier get returned (the tensors a get or a collate is "
+            "given must only be read)") from None
 
 
 def _recorded_crcs(header: _Header) -> tuple[ChecksumKind, dict[str, int]]:
