@@ -86,3 +86,11 @@ class LeaseHeldError(ControlPlaneError):
 
 class ClaimLostError(ControlPlaneError):
     """A producer's claim expired and another producer took it before it was completed."""
+
+
+class StrategyContractError(PluginError):
+    """A strategy's collate or forward_loss returned something the trainer cannot use."""
+
+
+class NonFiniteTrainingError(SpecforgeError):
+    """A step's gradients (or loss) are not finite: training stopped before the update reached the weights."""

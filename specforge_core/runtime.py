@@ -196,15 +196,27 @@ def execute(plan: RunPlan, manager: PluginManager, *, resume: str | None = None,
         if resume:
             trainer.resume(resume)  # refuses a changed contract before anything is written
             finished = _finished_summary(plan, trainer.state.global_step, total_steps)
-            if finished is not None:  # nothing to train: the run's files stay as they are
+            if finished is not None and "accept_len_convention" in finished:  # nothing to do: its files stay
                 if info.is_main:
                     print(f"the run in {plan.output} already finished: step {trainer.state.global_step} of "
                           f"{total_steps}; nothing trained, nothing written. To train longer, raise "
                           "train.max_steps" + ("" if plan.role == "consumer" else " (and train.epochs to match)"),
                           file=sys.stderr, flush=True)
                 return finished
+            if finished is not None:  # trained to the end, but stopped in its export or acceptance check
+                if info.is_main:
+                    print(f"the run in {plan.output} trained to step {trainer.state.global_step} but stopped before "
+                          "its export and acceptance check finished; doing them now", file=sys.stderr, flush=True)
+                summary = finalize(plan, strategy, trainer, source, info, context, finished)
+                if info.is_main:
+                    manager.hook.specforge_run_finished(run_id=plan.run_id, output_dir=str(plan.output),
+                                                        summary=summary)
+                barrier(info)
+                return summary
         if plan.role != "consumer" and info.is_main:  # a consumer's stream ends where its producer says
             _warn_short_epochs(train, batches_per_epoch, epoch_steps, total_steps, trainer.state.global_step)
+        if info.is_main:
+            _warn_long_warmup(train, total_steps, trainer.state.global_step, applied or {})
         source.start(skip_samples=trainer.state.batch_in_epoch * train.batch_size,
                      global_step=trainer.state.global_step)
         if info.is_main:  # every check passed: from here on the run writes into its directory
@@ -243,6 +255,12 @@ def check_resume(plan: RunPlan, resume: str, world_size: int) -> Path:
     current = {"strategy": plan["strategy"].spec.name, "world_size": world_size,
                "batch_size": plan.train.batch_size, "accumulation_steps": plan.train.accumulation_steps,
                "seed": plan.train.seed}
+    # the strategy's options as given; one left unset (None) may be fixed from the data when the model is built
+    given = json.loads(json.dumps({key: value for key, value in options_to_dict(plan["strategy"].options).items()
+                                   if value is not None}))
+    if isinstance(saved.get("strategy_options"), dict):
+        current["strategy_options"] = given
+        saved = {**saved, "strategy_options": {key: saved["strategy_options"].get(key) for key in given}}
     for keys in (("strategy",), tuple(current)):  # another strategy is said first: the rest follows from it
         check_contract({key: saved[key] for key in keys if key in saved},
                        {key: current[key] for key in keys if key in saved}, path)
@@ -271,6 +289,19 @@ def _warn_short_epochs(train: Any, batches_per_epoch: int, steps_in_epochs: int,
         print(f"train.max_steps is {total_steps}, but train.epochs={train.epochs} pass(es) over the data hold "
               f"{steps_in_epochs} optimizer steps: the run will stop at step {steps_in_epochs}. Set "
               f"train.epochs={needed} to reach max_steps.", file=sys.stderr, flush=True)
+
+
+def _warn_long_warmup(train: Any, total_steps: int, global_step: int, applied: dict[str, Any]) -> None:
+    """Say up front when the warmup is longer than the run: the learning rate never reaches ``train.lr``."""
+    from .training.optim import lr_factor, warmup_steps
+
+    warmup = warmup_steps(train, total_steps)
+    if global_step < total_steps < warmup:
+        source = " (the target engine's suggestion)" if "warmup_steps" in applied else ""
+        last = lr_factor(total_steps - 1, train, total_steps) * train.lr
+        print(f"note: the warmup is {warmup} steps{source} but the run has {total_steps}: the learning rate rises "
+              f"all run and ends at {last:.3g}, not train.lr {train.lr:g}. Set train.warmup_steps below "
+              f"{total_steps} to reach it.", file=sys.stderr, flush=True)
 
 
 def with_resolved_strategy_options(plan: RunPlan, strategy: Any) -> RunPlan:

@@ -120,6 +120,32 @@ def test_offline_run_from_captured_features(site, features, tmp_path):
     assert "done: 4 steps" in proc.stdout
 
 
+def test_a_run_stopped_in_its_export_finishes_the_export_when_resumed(site, features, tiny, tmp_path):
+    out, _ = features
+    run = tmp_path / "run"
+    args = ["run", "--strategy", "example", "--features", str(out), "--output", str(run), "--set", "train.max_steps=2",
+            "--set", "train.batch_size=4", "--set", f"target_engine.model={tiny}", "--set", "train.real_eval_prompts=2"]
+    specforge(site, *args)
+    finished = json.loads((run / "summary.json").read_text())
+    assert finished["export"] == str(run / "export") and finished["accept_len_real"] is not None
+    # what a crash inside the export leaves: the summary the training loop wrote, and no export
+    trained = {k: v for k, v in finished.items() if k not in {
+        "accept_len_sim", "accept_len_convention", "tau_sim", "tau_sim_convention", "export", "export_format",
+        "accept_len_real", "tau_real", "speedup", "real_eval"}}
+    (run / "summary.json").write_text(json.dumps(trained))
+    shutil.rmtree(run / "export")
+    checkpoints = sorted(p.name for p in run.iterdir() if p.name.startswith("run-step"))
+    proc = specforge(site, *args, "--resume", "latest")
+    assert "trained to step 2 but stopped before its export and acceptance check finished; doing them now" \
+        in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["export"] == str(run / "export") and (run / "export" / "config.json").exists()
+    assert summary["accept_len_real"] == finished["accept_len_real"] and summary["steps"] == 2
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("run-step")) == checkpoints  # nothing trained
+    proc = specforge(site, *args, "--resume", "latest")
+    assert "already finished: step 2 of 2; nothing trained, nothing written" in proc.stderr
+
+
 def online_args(tiny, run, *extra, steps=6):
     return ["run", "--strategy", "example", "--output", str(run), "--run-id", "on",
             "--set", f"target_engine.model={tiny}", "--set", "data.max_samples=48",

@@ -116,6 +116,62 @@ def test_keep_heap_false_leaves_the_c_librarys_heap_policy(site, features, tmp_p
     assert summary["steps"] == 2 and summary["config"]["train"]["keep_heap"] is False
 
 
+@pytest.mark.parametrize("broken, message", [
+    ("dict_batch", "strategy 'linear': collate returned a dict, not a specforge_core.contracts.TrainBatch"),
+    ("tensor", "strategy 'linear': forward_loss returned a Tensor, not a specforge_core.contracts.StepOutput; "
+               "return StepOutput(loss=..., metrics=..., ratio_metrics=...)"),
+    ("per_token", "strategy 'linear': forward_loss's StepOutput.loss is a tensor of shape [14], not a scalar tensor"),
+    ("detached", "strategy 'linear': forward_loss's StepOutput.loss has no gradient"),
+    ("ratio_float", "strategy 'linear': forward_loss's ratio_metrics['acc'] is 0.3, not a (numerator, denominator) "
+                    "pair"),
+])
+def test_a_strategy_breaking_the_step_contract_is_named_before_anything_is_saved(site, features, tmp_path, broken,
+                                                                                 message):
+    out = tmp_path / "out"
+    proc = specforge(site, *train_args(features, out, "--set", "train.save_every=1"),
+                     env_extra={"SF_TEST_BREAK": broken}, expect=2)  # a plugin error, as at load
+    assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "latest").exists() and list(out.glob("lin-step*")) == []
+
+
+def test_a_warmup_longer_than_the_run_is_said_up_front(site, features, tmp_path):
+    proc = specforge(site, *train_args(features, tmp_path / "out", "--set", "train.warmup_steps=20"))
+    assert ("note: the warmup is 20 steps but the run has 8: the learning rate rises all run and ends at 0.02, not "
+            "train.lr 0.05. Set train.warmup_steps below 8 to reach it.") in proc.stderr
+    assert losses(tmp_path / "out")[-1][0] == 8
+    short = specforge(site, *train_args(features, tmp_path / "short"))  # warmup 2 of 8 steps: nothing to say
+    assert "note: the warmup" not in short.stderr
+
+
+def test_a_best_metric_the_strategy_never_reports_is_warned_about_once(site, features, tmp_path):
+    out = tmp_path / "out"
+    proc = specforge(site, *train_args(features, out, "--set", "train.eval_every=2"),
+                     env_extra={"SF_TEST_BEST_METRIC": "eval/acc"})
+    warning = ("warning: the best checkpoint is chosen by eval metric 'eval/acc' (the strategy's best_metric), which "
+               "the strategy does not report (eval metrics: acc, ce); no checkpoint will be marked best")
+    assert proc.stderr.count(warning) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"]["checkpoint"] is None and not (out / "best").exists()
+    good = specforge(site, *train_args(features, tmp_path / "good", "--set", "train.eval_every=2"))
+    assert "warning: the best checkpoint" not in good.stderr and (tmp_path / "good" / "best").exists()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_non_finite_loss_stops_the_run_before_the_update_and_keeps_the_last_checkpoint(site, features, tmp_path,
+                                                                                        ranks):
+    out = tmp_path / "out"
+    proc = specforge(site, *train_args(features, out, "--set", "train.save_every=2"), ranks=ranks,
+                     env_extra={"SF_TEST_BREAK": "nan@5"}, expect=None)
+    assert proc.returncode != 0
+    assert ("error: step 5: the gradient norm is nan (the loss nan on this rank), so training stopped before this "
+            "update: no weight took it, and the latest checkpoint, lin-step4, is intact (--resume latest)") in proc.stderr
+    assert [step for step, _loss, _norm in losses(out)] == [1, 2, 3, 4]  # no NaN record
+    assert (out / "latest").read_text().strip() == "lin-step4" and not (out / "lin-step5").exists()
+    weights = load_file(str(out / "lin-step4" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not (out / "summary.json").exists() and not (out / "export").exists()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(site, features, tmp_path, ranks):
     full, broken = tmp_path / "full", tmp_path / "broken"
@@ -149,6 +205,9 @@ def test_resume_with_a_changed_contract_is_refused_naming_the_field(site, featur
     assert field in proc.stderr
     assert "cannot resume from" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == before  # nothing written, nothing lost
+    if "max_steps" not in field:  # --dry-run says the same before anything is built
+        proc = specforge(site, *train_args(features, out, "--resume", "latest", *change, "--dry-run", steps=4), expect=1)
+        assert field in proc.stderr and "cannot resume from" in proc.stderr
 
 
 def test_a_finished_run_is_extended_by_resuming_with_more_steps(site, features, tmp_path):

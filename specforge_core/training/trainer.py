@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -19,7 +20,8 @@ import attrs
 import torch
 
 from ..config import TrainOptions
-from ..contracts import StepContext
+from ..contracts import StepContext, StepOutput, TrainBatch
+from ..errors import NonFiniteTrainingError, SpecforgeError, StrategyContractError
 from ..fileio import atomic_write_text
 from .checkpoint import CheckpointManager, check_contract
 from .distributed import DistInfo, gather_objects, set_gradient_sync, shard_model
@@ -90,6 +92,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self._names: list[str] | None = None
         self._resumed = False
+        self._best_metric_checked = False
         self._evaluated_at = self._saved_at = -1  # the global step of the last evaluation and checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -135,7 +138,8 @@ class Trainer:
                 boundary = window.micro_steps + 1 == accumulation
                 set_gradient_sync(self.model, boundary)
                 ctx = StepContext(global_step=state.global_step, total_steps=self.total_steps, epoch=state.epoch)
-                out = self.strategy.forward_loss(self.model, batch.to(info.device), ctx)
+                self._check_batch(batch)
+                out = self._check_output(self.strategy.forward_loss(self.model, batch.to(info.device), ctx))
                 (out.loss / accumulation).backward()
                 window.add(out, batch)
                 if boundary:
@@ -157,12 +161,50 @@ class Trainer:
         return self._finish(time.perf_counter() - started, state.supervised_tokens - tokens_at_start[0],
                             state.tokens - tokens_at_start[1])
 
+    def _check_batch(self, batch: Any) -> None:
+        if not isinstance(batch, TrainBatch):
+            raise StrategyContractError(
+                f"strategy {self._strategy_name()!r}: collate returned a {type(batch).__name__}, not a "
+                "specforge_core.contracts.TrainBatch (its tensors, the batch's sample_ids and num_tokens); "
+                "see docs/writing-plugins.md")
+
+    def _check_output(self, out: Any) -> StepOutput:
+        """``out`` if it is a :class:`StepOutput` with a scalar loss that has a gradient, and ratio metrics of
+        pairs; else a :class:`StrategyContractError` saying what is wrong (a few isinstance checks a step)."""
+        name = self._strategy_name()
+        if not isinstance(out, StepOutput):
+            raise StrategyContractError(
+                f"strategy {name!r}: forward_loss returned a {type(out).__name__}, not a "
+                "specforge_core.contracts.StepOutput; return StepOutput(loss=..., metrics=..., ratio_metrics=...)")
+        loss = out.loss
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+                f"a {type(loss).__name__}"
+            raise StrategyContractError(
+                f"strategy {name!r}: forward_loss's StepOutput.loss is {what}, not a scalar tensor; reduce it "
+                "(a sum or mean over tokens) to the one number to backpropagate")
+        if not loss.requires_grad:
+            raise StrategyContractError(
+                f"strategy {name!r}: forward_loss's StepOutput.loss has no gradient: compute it from the model's "
+                "outputs, not under torch.no_grad() and not detached")
+        for key, value in out.ratio_metrics.items():
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise StrategyContractError(
+                    f"strategy {name!r}: forward_loss's ratio_metrics[{key!r}] is {value!r}, not a (numerator, "
+                    "denominator) pair; pass plain values in StepOutput.metrics instead")
+        return out
+
+    def _strategy_name(self) -> str:
+        return str(self.contract.get("strategy") or type(self.strategy).__name__)
+
     def _optimizer_step(self, window: _Window, progress: Any) -> None:
         state, train = self.state, self.train
         max_norm = train.max_grad_norm if train.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # the pre-clip norm
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if not math.isfinite(float(grad_norm)):  # the same on every rank: the norm of the synchronised gradients
+            raise self._non_finite(float(grad_norm), window)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -192,14 +234,41 @@ class Trainer:
         if scheduled or (evaluate and is_best):
             self.save(is_best=is_best)
 
+    def _non_finite(self, grad_norm: float, window: _Window) -> NonFiniteTrainingError:
+        step = self.state.global_step + 1
+        loss = window.loss_sum / max(window.micro_steps, 1)
+        try:
+            saved = f"the latest checkpoint, {self.checkpoints.resolve('latest').name}, is intact (--resume latest)"
+        except SpecforgeError:
+            saved = "no checkpoint was saved before it"
+        return NonFiniteTrainingError(
+            f"step {step}: the gradient norm is {grad_norm} (the loss {loss:.6g} on this rank), so training stopped "
+            f"before this update: no weight took it, and {saved}. A lower train.lr or train.max_grad_norm, or the "
+            "strategy's dtype float32, may help; a loss that is non-finite from the first step points at the "
+            "strategy's forward_loss or the data")
+
     def _training_best(self, record: Mapping[str, Any]) -> bool:
         """Without an eval split, whether the checkpoint about to be saved is the best by the training
         metric so far (only saved steps compete: the best names a checkpoint)."""
         state = self.state
+        self._check_best_metric(record, "training")
         is_best = _is_better(record.get(self.best_metric, float("nan")), state.best_value, self.best_mode)
         if is_best:
             state.best_value, state.best_step = record[self.best_metric], state.global_step
         return is_best
+
+    def _check_best_metric(self, values: Mapping[str, Any], kind: str) -> None:
+        """Warn once if the metric that picks the best checkpoint is not among those the strategy reports."""
+        if self.best_metric in values or self._best_metric_checked or not self.info.is_main:
+            self._best_metric_checked = True
+            return
+        self._best_metric_checked = True
+        reported = ", ".join(sorted(name for name in values if name != "step")) or "none"
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: the best checkpoint is chosen by {kind} metric {self.best_metric!r} (the strategy's "
+                   f"best_metric), which the strategy does not report ({kind} metrics: {reported}); no checkpoint "
+                   "will be marked best", file=sys.stderr)  # above the progress bar, not inside its line
 
     def _close_early_end(self) -> None:
         """The data ran out before ``total_steps`` (e.g. max_steps above what one stream holds): evaluate and
@@ -249,6 +318,7 @@ class Trainer:
         self.metrics.write({"step": state.global_step, **self.last_eval})
         if self.info.is_main and self.hooks is not None:
             self.hooks.specforge_eval_end(run_id=self.run_id, global_step=state.global_step, metrics=dict(values))
+        self._check_best_metric(values, "eval")
         value = values.get(self.best_metric, float("nan"))
         if _is_better(value, state.best_value, self.best_mode):
             state.best_value, state.best_step = value, state.global_step
