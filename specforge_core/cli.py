@@ -96,7 +96,9 @@ def plugins(as_json: bool, check: bool) -> None:
 
 def _check_factories(manager: Any, records: list[dict[str, Any]]) -> dict[str, list[str]]:
     """Import the factory of every spec of every active plugin; record failures as ``factory_errors``."""
-    from .preflight import load_factory
+    import inspect
+
+    from .preflight import check_strategy, load_factory
 
     broken: dict[str, list[str]] = {}
     for record in records:
@@ -105,7 +107,10 @@ def _check_factories(manager: Any, records: list[dict[str, Any]]) -> dict[str, l
         for kind, names in record["provides"].items():
             for name in names:
                 try:
-                    load_factory(manager.get(kind, name))
+                    spec = manager.get(kind, name)
+                    factory = load_factory(spec)
+                    if kind == "strategy" and inspect.isclass(factory):  # its methods, without building it
+                        check_strategy(factory, spec)
                 except SpecforgeError as exc:
                     broken.setdefault(record["name"], []).append(str(exc))
         record["factory_errors"] = broken.get(record["name"], [])

@@ -144,6 +144,8 @@ def export_model(strategy: Any, model: Any, target: TargetInfo, out_dir: str | o
     out = Path(out_dir)
     check_export_folder(out)
     created = not out.exists()  # the strategy's writer makes the folder (and says what it left)
+    from .preflight import accepted_kwargs
+
     try:
         strategy.export(model, str(out), target, **accepted_kwargs(strategy.export, fmt=fmt, dtype=dtype))
     except BaseException:
@@ -181,17 +183,6 @@ def is_export(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and bool(config.get(STRATEGY_FIELD))
-
-
-def accepted_kwargs(function: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
-    """The keyword arguments of ``kwargs`` that ``function`` accepts: a protocol method grows by adding
-    keyword arguments, and an implementation written before one was added simply does not get it."""
-    import inspect
-
-    parameters = inspect.signature(function).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return kwargs
-    return {name: value for name, value in kwargs.items() if name in parameters}
 
 
 def strategy_fields(name: str, options: Any) -> dict[str, Any]:

@@ -178,7 +178,13 @@ class PluginManager:
         try:
             module = loader()
         except Exception as exc:  # noqa: BLE001 - any import error disables just this plugin
-            self._fail(record, f"import failed: {type(exc).__name__}: {exc}", exc)
+            where = ""
+            if isinstance(exc, ModuleNotFoundError):  # the entry point's own module, or something it imports?
+                module_name = entry_point.partition(" = ")[2].partition(":")[0].strip()
+                where = (f" (the entry point '{entry_point}' names a module that is not installed)"
+                         if exc.name == module_name else
+                         f" (a module that {module_name!r} imports; is a dependency missing or misspelled?)")
+            self._fail(record, f"import failed: {type(exc).__name__}: {exc}{where}", exc)
             return
         record.module = module
         unknown = [attr for attr in dir(module) if attr.startswith("specforge_") and attr not in _HOOK_NAMES
@@ -191,11 +197,29 @@ class PluginManager:
             record.module = None
             self._fail(record, f"implements unknown hook {', '.join(hints)}")
             return
+        unmarked = [attr for attr in dir(module) if attr in _HOOK_NAMES and callable(getattr(module, attr))
+                    and not hasattr(getattr(module, attr), "specforge_impl")]
+        if unmarked:
+            record.module = None
+            self._fail(record, f"defines {', '.join(repr(attr) for attr in unmarked)} without @hookimpl (from "
+                               "specforge_core import hookimpl), so specforge would never call "
+                               f"{'it' if len(unmarked) == 1 else 'them'}")
+            return
         try:
             self.pm.register(module, name=name)
             self.pm.check_pending()
         except Exception as exc:  # noqa: BLE001 - pluggy validation errors
-            self._fail(record, f"invalid hook implementation: {exc}", exc)
+            self._fail(record, f"invalid hook implementation: {self._one_line(exc)}", exc)
+
+    def _one_line(self, exc: BaseException) -> str:
+        """pluggy's validation message on one line, with the arguments the hook passes."""
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        hook = re.search(r"for hook '(\w+)'", message)
+        caller = getattr(self.pm.hook, hook.group(1), None) if hook else None
+        if caller is not None and caller.spec is not None:
+            message += (f"; {hook.group(1)} passes ({', '.join(caller.spec.argnames)}), and an implementation takes "
+                        "any of those by name")
+        return message
 
     def _collect(self, record: PluginRecord) -> None:
         collected: list[ComponentSpec] = []
@@ -214,6 +238,12 @@ class PluginManager:
                 for item in items:
                     if not isinstance(item, spec_cls):
                         self._fail(record, f"{hook_name}() returned {type(item).__name__}; expected {spec_cls.__name__}")
+                        return
+                    if not (isinstance(item.options, type) and attrs.has(item.options)):
+                        options = getattr(item.options, "__name__", repr(item.options))
+                        self._fail(record, f"{hook_name}() returned {kind} '{item.name}' whose options class "
+                                           f"{options} is not an attrs class: decorate it with @attrs.frozen and "
+                                           "declare its fields with specforge_core.options.option")
                         return
                     collected.append(attrs.evolve(item, provenance=record.provenance()))
         for spec in collected:
@@ -251,9 +281,11 @@ class PluginManager:
     def get(self, kind: str, name: str) -> Any:
         """The spec called ``name``, or an error that lists the choices and how to get ``name``."""
         self.load()
-        if name in self._conflicts.get(kind, {}):
+        if kind not in SPEC_KINDS:
+            raise UnknownComponentError(f"unknown component kind {kind!r}; kinds: {', '.join(SPEC_KINDS)}")
+        if name in self._conflicts[kind]:  # only a clash over this very name stops it: others do not concern it
             raise PluginConflictError(self._conflict_message(kind, name))
-        specs = self.specs(kind)
+        specs = {other: spec for other, spec in self._specs[kind].items() if other not in self._conflicts[kind]}
         if name in specs:
             return specs[name]
         raise UnknownComponentError(self._unknown_message(kind, name, specs))
@@ -279,6 +311,11 @@ class PluginManager:
         else:
             if dist:
                 lines.append(f"It is provided by {dist}: pip install {dist}")
+            failed = [record for record in self.records.values() if record.status == "failed"]
+            if failed:  # one of them may be what provides it
+                lines.append("Plugins that failed to load: " + "; ".join(
+                    f"'{record.name}' ({record.distribution} {record.version}): {record.error}" for record in failed)
+                    + " (`specforge plugins` lists them).")
         return " ".join(lines)
 
     def plugin_list(self) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ class, a one-line description, and what it provides or requires. The core fills 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from typing import Any
@@ -190,8 +191,12 @@ def check_capabilities(strategy: StrategySpec, engine: TargetEngineSpec) -> None
 
     missing = sorted(strategy.requires - engine.capabilities)
     if missing:
+        known = sorted(set(ENGINE_CAPABILITIES) | set(engine.capabilities))
+        typos = [f"{name!r} (did you mean {close[0]!r}?)" for name in missing if name not in ENGINE_CAPABILITIES
+                 for close in [difflib.get_close_matches(name, known, n=1)] if close]
         raise CapabilityError(
             f"{strategy.origin()} requires {', '.join(missing)}, which {engine.origin()} "
             f"does not provide (it provides: {', '.join(sorted(engine.capabilities)) or 'nothing'}). "
-            "Choose another --target-engine or strategy."
+            + (f"A misspelled requirement in the strategy's spec: {', '.join(typos)}." if typos else
+               "Choose another --target-engine or strategy.")
         )

@@ -98,6 +98,18 @@ def test_two_plugins_claiming_one_strategy_name_is_an_error_naming_both(fake_sit
     assert len(manager.conflicts()) == 1
 
 
+def test_a_clash_over_one_name_leaves_the_other_names_of_its_kind_usable(fake_site):
+    add_strategy(fake_site, "specforge-plugin-one", "sf_clash_one", "same", version="1.0", ep="one")
+    add_strategy(fake_site, "specforge-plugin-two", "sf_clash_two", "same", version="2.5", ep="two")
+    add_strategy(fake_site, "specforge-plugin-bystander", "sf_bystander", "other", version="0.3", ep="bystander")
+    manager = fake_site.manager()
+    assert manager.get("strategy", "other").provenance.distribution == "specforge-plugin-bystander"
+    with pytest.raises(UnknownComponentError, match=r"unknown strategy 'nothing'\. Available: other\."):
+        manager.get("strategy", "nothing")
+    with pytest.raises(PluginConflictError, match="strategy 'same' is provided by both"):
+        manager.get("strategy", "same")
+
+
 def test_entry_point_name_clash_across_distributions_fails_the_second(fake_site):
     add_strategy(fake_site, "specforge-plugin-aaa", "sf_ep_a", "from_a", version="1.0", ep="shared")
     add_strategy(fake_site, "specforge-plugin-bbb", "sf_ep_b", "from_b", version="3.0", ep="shared")
@@ -159,7 +171,29 @@ def test_unknown_name_reports_the_load_error_of_the_plugin_that_provides_it(fake
     with pytest.raises(UnknownComponentError) as info:
         manager.get("strategy", "dflash")
     assert "The plugin 'dflash' (specforge-plugin-dflash 0.9) failed to load: import failed: " \
-           "ModuleNotFoundError: No module named 'not_a_module_anywhere'" in str(info.value)
+           "ModuleNotFoundError: No module named 'not_a_module_anywhere' (a module that 'sf_dflash_broken' imports; " \
+           "is a dependency missing or misspelled?)" in str(info.value)
+
+
+def test_an_entry_point_naming_a_missing_module_says_so_and_options_must_be_attrs(fake_site):
+    fake_site.add("specforge-plugin-ghost", "0.1", entry_points={"ghost": "sf_ghost_nowhere"}, modules={})
+    fake_site.add("specforge-plugin-plain", "0.1", entry_points={"plain": "sf_plain_opts"}, modules={"sf_plain_opts": """
+from specforge_core import hookimpl
+from specforge_core.specs import StrategySpec
+
+class Opts:
+    width = 4
+
+@hookimpl
+def specforge_strategies():
+    return [StrategySpec(name="plain", factory="sf_plain_opts:Nothing", options=Opts)]
+"""})
+    records = {r["name"]: r for r in fake_site.manager().plugin_list()}
+    assert records["ghost"]["error"] == ("import failed: ModuleNotFoundError: No module named 'sf_ghost_nowhere' (the "
+                                         "entry point 'ghost = sf_ghost_nowhere' names a module that is not installed)")
+    assert records["plain"]["error"] == ("specforge_strategies() returned strategy 'plain' whose options class Opts is "
+                                         "not an attrs class: decorate it with @attrs.frozen and declare its fields "
+                                         "with specforge_core.options.option")
 
 
 def test_misspelled_hook_fails_naming_the_plugin_and_the_hook(fake_site):
@@ -192,7 +226,36 @@ def specforge_step_end(global_step, loss_scale):
                   modules={"sf_badarg_mod": source})
     record = {r["name"]: r for r in fake_site.manager().plugin_list()}["badarg"]
     assert record["status"] == "failed"
-    assert "invalid hook implementation" in record["error"] and "loss_scale" in record["error"]
+    assert record["error"] == (  # one line, ending with what the hook passes
+        "invalid hook implementation: Plugin 'badarg' for hook 'specforge_step_end'; hookimpl definition: "
+        "specforge_step_end(global_step, loss_scale); Argument(s) {'loss_scale'} are declared in the hookimpl but "
+        "can not be found in the hookspec; specforge_step_end passes (run_id, global_step, metrics), and an "
+        "implementation takes any of those by name")
+
+
+def test_a_hook_function_without_hookimpl_fails_the_plugin_instead_of_being_ignored(fake_site):
+    source = """
+from specforge_core import hookimpl
+from specforge_core.specs import StrategySpec
+
+def specforge_strategies():
+    return [StrategySpec(name="forgotten", factory="sf_nomark_mod:Nothing")]
+
+@hookimpl
+def specforge_step_end(global_step):
+    pass
+"""
+    fake_site.add("specforge-plugin-nomark", "0.1", entry_points={"nomark": "sf_nomark_mod"},
+                  modules={"sf_nomark_mod": source})
+    manager = fake_site.manager()
+    record = {r["name"]: r for r in manager.plugin_list()}["nomark"]
+    assert record["status"] == "failed"
+    assert record["error"] == ("defines 'specforge_strategies' without @hookimpl (from specforge_core import "
+                               "hookimpl), so specforge would never call it")
+    with pytest.raises(UnknownComponentError, match=r"unknown strategy 'forgotten'\. Available: \(none\)\. Plugins "
+                                                    r"that failed to load: 'nomark' \(specforge-plugin-nomark 0\.1\): "
+                                                    r"defines 'specforge_strategies' without @hookimpl"):
+        manager.get("strategy", "forgotten")
 
 
 def test_hook_returning_the_wrong_spec_type_fails_the_plugin(fake_site):
@@ -219,19 +282,25 @@ def test_loading_is_idempotent(fake_site):
     assert len(manager.pm.get_plugins()) == 2  # builtin + once, registered once
 
 
-def test_capability_mismatch_names_both_plugins(fake_site):
-    add_strategy(fake_site, "specforge-plugin-needy", "sf_needy_mod", "needy", requires=("aux_hidden_states",
-                                                                                         "verify"), ep="needy")
+@pytest.mark.parametrize("requires, message", [
+    (("aux_hidden_states", "verify"),
+     "strategy 'needy' (specforge-plugin-needy 1.0) requires aux_hidden_states, verify, which target_engine 'weak' "
+     "(specforge-plugin-weak 0.2) does not provide (it provides: last_hidden). Choose another --target-engine or "
+     "strategy."),
+    (("last_hiden",),  # a near miss of a known capability is the strategy's typo, not the engine's lack
+     "strategy 'needy' (specforge-plugin-needy 1.0) requires last_hiden, which target_engine 'weak' "
+     "(specforge-plugin-weak 0.2) does not provide (it provides: last_hidden). A misspelled requirement in the "
+     "strategy's spec: 'last_hiden' (did you mean 'last_hidden'?)."),
+])
+def test_capability_mismatch_names_both_plugins(fake_site, requires, message):
+    add_strategy(fake_site, "specforge-plugin-needy", "sf_needy_mod", "needy", requires=requires, ep="needy")
     fake_site.add("specforge-plugin-weak", "0.2", entry_points={"weak": "sf_weak_mod"},
                   modules={"sf_weak_mod": ENGINE_MODULE.format(name="weak", module="sf_weak_mod",
                                                                caps={"last_hidden"})})
     manager = fake_site.manager()
     with pytest.raises(CapabilityError) as info:
         check_capabilities(manager.get("strategy", "needy"), manager.get("target_engine", "weak"))
-    assert str(info.value) == (
-        "strategy 'needy' (specforge-plugin-needy 1.0) requires aux_hidden_states, verify, which target_engine "
-        "'weak' (specforge-plugin-weak 0.2) does not provide (it provides: last_hidden). "
-        "Choose another --target-engine or strategy.")
+    assert str(info.value) == message
 
 
 def test_plugin_set_is_the_same_for_two_managers_over_the_same_site(fake_site):

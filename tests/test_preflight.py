@@ -27,7 +27,9 @@ class NoOpts:
 def specforge_strategies():
     return [StrategySpec(name=name, factory=f"sf_pre_impl:{cls}", options=Opts if name == "needy" else NoOpts)
             for name, cls in (("typo", "Typo"), ("halfserved", "HalfServed"), ("needy", "Fine"),
-                              ("fine", "Fine"), ("notcallable", "CONSTANT"))]
+                              ("fine", "Fine"), ("notcallable", "CONSTANT"), ("shortloss", "ShortLoss"),
+                              ("narrowexport", "NarrowExport"), ("servedwell", "ServedWell"),
+                              ("oneargfactory", "OneArgFactory"))]
 
 @hookimpl
 def specforge_target_engines():
@@ -47,6 +49,27 @@ IMPLEMENTATION = strategy_source("Fine") + strategy_source("Typo", loss_method="
 
 class HalfServed(Fine):
     def export(self, model, out_dir, target): ...
+
+
+class ShortLoss(Fine):
+    def forward_loss(self, model, batch): ...
+
+
+class ServedWell(Fine):
+    def export(self, model, out_dir, target=None, *, fmt, dtype="bfloat16"): ...
+
+    def load_export(self, path, target, frozen_parts): ...
+
+    def speculate(self, model, session, prompt, *, max_new_tokens, eos_token_id=None): ...
+
+
+class NarrowExport(ServedWell):
+    def export(self, model, out_dir): ...
+
+
+class OneArgFactory(Fine):
+    def __init__(self, options):
+        self.options = options
 
 
 class Tripwire:
@@ -88,6 +111,14 @@ def test_plugins_lists_the_broken_plugin_as_active_and_check_reports_it(site):
     assert "error: strategy 'broken' from specforge-plugin-broken 0.0.2: cannot load factory" in proc.stdout
     assert "error: strategy 'notcallable' (specforge-plugin-pre 0.3.0): factory 'sf_pre_impl:CONSTANT' is a int" \
            in proc.stdout
+    # the strategies' classes are checked as a dry run checks their instances, without building them
+    assert ("error: strategy 'typo' (specforge-plugin-pre 0.3.0): Typo does not implement 'forward_loss' (it has "
+            "'forward_los'; a typo?)") in proc.stdout
+    assert ("error: strategy 'shortloss' (specforge-plugin-pre 0.3.0): ShortLoss.forward_loss(model, batch) cannot be "
+            "called as specforge calls it, forward_loss(model, batch, ctx)") in proc.stdout
+    assert "HalfServed implements export but not 'load_export', 'speculate'" in proc.stdout
+    for good in ("fine", "servedwell", "needy"):
+        assert f"strategy '{good}' (specforge-plugin-pre" not in proc.stdout
 
 
 def test_a_misspelled_required_method_is_named_with_the_typo(site):
@@ -108,6 +139,28 @@ def test_half_of_the_serving_methods_is_refused(site):
 def test_a_factory_that_is_not_callable_is_refused(site):
     proc = dry_run(site, "notcallable")
     assert proc.returncode == 2 and "factory 'sf_pre_impl:CONSTANT' is a int, not a class or function" in proc.stderr
+
+
+@pytest.mark.parametrize("strategy, message", [
+    ("shortloss", "error: strategy 'shortloss' (specforge-plugin-pre 0.3.0): ShortLoss.forward_loss(model, batch) "
+                  "cannot be called as specforge calls it, forward_loss(model, batch, ctx): too many positional "
+                  "arguments; see specforge_core.protocols.Strategy"),
+    ("narrowexport", "error: strategy 'narrowexport' (specforge-plugin-pre 0.3.0): NarrowExport.export(model, "
+                     "out_dir) cannot be called as specforge calls it, export(model, out_dir, target): too many "
+                     "positional arguments"),
+    ("oneargfactory", "error: strategy 'oneargfactory' (specforge-plugin-pre 0.3.0): factory "
+                      "'sf_pre_impl:OneArgFactory'(options) cannot be called as specforge calls it, factory(options, "
+                      "context): too many positional arguments"),
+])
+def test_a_method_or_factory_that_cannot_take_specforges_call_is_refused_at_the_dry_run(site, strategy, message):
+    proc = dry_run(site, strategy)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().startswith(message), proc.stderr
+
+
+def test_signatures_with_defaults_and_the_keywords_specforge_passes_are_accepted(site):
+    proc = dry_run(site, "servedwell")
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_required_option_without_a_value_names_the_plugin_and_the_set_flag(site):

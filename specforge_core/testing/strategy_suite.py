@@ -19,7 +19,7 @@ accepted drafts are exercised too), stopping at the end-of-sequence token.
 from __future__ import annotations
 
 import copy
-
+import inspect
 import math
 import tempfile
 from typing import Any
@@ -28,6 +28,8 @@ import pytest
 import torch
 
 from ..contracts import StepContext, StepOutput, TrainBatch
+from ..preflight import accepted_kwargs
+from ..serving import DEFAULT_EXPORT_DTYPE
 from ..protocols import DataStats, TargetInfo
 from .reference_target import ReferenceTarget
 
@@ -46,6 +48,8 @@ class StrategyConformance:
     speculate_lr = 1e-2
     #: Tokens generated per prompt by the speculate checks.
     speculate_max_new_tokens = 24
+    #: The serving format the export round trip writes; None: the first its installed spec declares.
+    export_format: str | None = None
 
     # ---------------------------------------------------------------- to override
     def make_strategy(self) -> Any:  # pragma: no cover - abstract
@@ -254,6 +258,17 @@ class StrategyConformance:
         assert self.check_speculation(strategy, model, stopped, prompts[:1], eos) is not None
         assert stopped.greedy(prompts[0], self.speculate_max_new_tokens)[-1] == eos
 
+    @staticmethod
+    def _installed_format(strategy: Any) -> str | None:
+        """The first export format of the installed spec whose factory makes ``strategy`` (None if none does)."""
+        from ..plugins import get_plugin_manager
+
+        factory = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
+        for spec in get_plugin_manager().specs("strategy").values():
+            if spec.factory == factory and getattr(spec, "export_formats", ()):
+                return spec.export_formats[0]
+        return None
+
     def test_export_round_trip_gives_identical_outputs(self):
         """What is served is the trained draft rounded to the export dtype: the reloaded export computes
         exactly what the draft computes with its trainable weights cast to the dtypes the export holds."""
@@ -261,7 +276,13 @@ class StrategyConformance:
         if not hasattr(strategy, "export"):
             pytest.skip("the strategy does not export")
         with tempfile.TemporaryDirectory() as out:
-            strategy.export(model, out, target)
+            # the format and dtype `specforge export` passes by default, where the method requires them (where it
+            # has defaults of its own, those)
+            wanted = {"fmt": self.export_format or self._installed_format(strategy), "dtype": DEFAULT_EXPORT_DTYPE}
+            parameters = inspect.signature(strategy.export).parameters
+            strategy.export(model, out, target, **{
+                key: value for key, value in accepted_kwargs(strategy.export, **wanted).items()
+                if key in parameters and parameters[key].default is inspect.Parameter.empty})
             reloaded = strategy.load_export(out, target, frozen)
             served = copy.deepcopy(model)
             exported = dict(reloaded.named_parameters())
