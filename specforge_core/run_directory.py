@@ -76,6 +76,11 @@ def check_output(path: str | os.PathLike[str], *, resume: str | None, overwrite:
         found = existing_run(path)
         if found and not overwrite:
             shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+            if not set(found) - {RUN_FILE, "metrics.jsonl"}:  # it stopped before its first checkpoint
+                raise OutputDirectoryError(
+                    f"{path} holds a run that stopped before its first checkpoint ({shown}): there is nothing to "
+                    f"resume. Pass --overwrite to move it aside (to {path}.old-<time>) and start over, or choose "
+                    "another --output directory")
             raise OutputDirectoryError(
                 f"{path} already holds a run ({shown}); continue it with --resume latest, start a new run in "
                 f"another --output directory, or pass --overwrite to move the old run aside (to {path}.old-<time>) "

@@ -29,6 +29,17 @@ def test_a_run_is_recognised_by_its_files_and_complete_checkpoints_only(tmp_path
         check_output(tmp_path, resume="latest", overwrite=True)
 
 
+def test_a_run_that_stopped_before_its_first_checkpoint_is_said_to_hold_nothing_to_resume(tmp_path):
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "tensorboard").mkdir()
+    with pytest.raises(OutputDirectoryError, match=r"holds a run that stopped before its first checkpoint "
+                                                   r"\(metrics.jsonl, run.json\): there is nothing to resume. Pass "
+                                                   r"--overwrite to move it aside"):
+        check_output(tmp_path, resume=None, overwrite=False)
+    check_output(tmp_path, resume=None, overwrite=True)
+
+
 def test_overwrite_moves_each_old_run_aside_whole_under_its_own_name(tmp_path, monkeypatch):
     import specforge_core.run_directory as run_directory
 
