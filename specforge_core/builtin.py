@@ -72,7 +72,8 @@ def specforge_feature_stores():
         FeatureStoreSpec(
             name="disk", factory="specforge_core.feature_stores.disk:DiskFeatureStore",
             options=DiskStoreOptions, capabilities={"consume_once", "retain", "cross_process", "persistent"},
-            description="A directory of safetensors files, one per sample; also the shared-dir store.",
+            description="A directory of safetensors files, one per sample (a finished capture's moved into ~1 GiB "
+                        "packs, read through kept maps); also the shared-dir store.",
         ),
     ]
 

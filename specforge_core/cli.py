@@ -310,7 +310,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
         raw = _raw_config(config_path, assignments, {**flags, **_data_values(target_model, data, eval_data)},
                           {"output": output, "run_id": run_id, "features": features, "role": role})
         plan = resolve_plan(get_plugin_manager(), raw)
-        check_plan(plan)  # every factory imports, the strategy has its methods: before any model loads
+        built = check_plan(plan)  # every factory imports, the strategy has its methods: before any model loads
         check_data_files(plan)
         if plan.role == "producer":
             for flag, given in (("--resume", resume), ("--overwrite", overwrite)):
@@ -319,7 +319,7 @@ def run(strategy: str | None, target_engine: str | None, feature_store: str | No
     except SpecforgeError as exc:
         _fail(exc)
     if dry_run:
-        _dry_run(plan, resume=resume, overwrite=overwrite)
+        _dry_run(plan, built, resume=resume, overwrite=overwrite)
         return
     if plan.role == "producer":
         from .run_directory import check_writable
@@ -400,7 +400,7 @@ def _run_result_line(summary: dict[str, Any], summary_path: str) -> str:
     return "; ".join(parts) + f"; summary in {summary_path}"
 
 
-def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
+def _dry_run(plan: Any, strategy: Any, *, resume: str | None, overwrite: bool) -> None:
     """Print the plan as the run would use it: the output checked, the engine's suggestions applied."""
     from .features import FeatureSet
     from .run_directory import check_output, check_writable
@@ -413,8 +413,10 @@ def _dry_run(plan: Any, *, resume: str | None, overwrite: bool) -> None:
             check_output(plan.output, resume=resume, overwrite=overwrite)
             if resume:
                 check_resume(plan, resume, int(os.environ.get("WORLD_SIZE", "1")))
-            if plan.features and plan.role is None:  # an offline run reads a finished capture
-                FeatureSet.open(plan.features)
+            if plan.features and plan.role is None:  # an offline run reads a finished capture of its features
+                features = FeatureSet.open(plan.features)
+                features.check_complete()
+                features.check_plan(strategy.capture_plan(features.target), plan["strategy"].spec.name)
         shown, applied = plan_as_run(plan)
     except SpecforgeError as exc:
         _fail(exc)
@@ -458,6 +460,10 @@ def capture(strategy: str | None, target_engine: str | None, target_model: str |
         result = run_capture(plan, get_plugin_manager(), batch_size=batch_size, pack=pack)
     except SpecforgeError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: the samples captured so far stay in {output}; run the same command again to "
+                   "finish (it skips them)", err=True)
+        sys.exit(130)
     click.echo(result["eval_split"])
     if result["packed"] and result["packed"]["samples"]:
         packed = result["packed"]

@@ -65,10 +65,10 @@ def plan_from_dict(data: Mapping[str, Any]) -> CapturePlan:
                        features={k: FeatureSpec.from_dict(v) for k, v in data["features"].items()})
 
 
-def _store_options(path: Path, consume_once: bool = False) -> Any:
+def _store_options(path: Path, consume_once: bool = False, verify_checksums: bool = False) -> Any:
     from .builtin import DiskStoreOptions
 
-    return DiskStoreOptions(path=str(path), consume_once=consume_once)
+    return DiskStoreOptions(path=str(path), consume_once=consume_once, verify_checksums=verify_checksums)
 
 
 @attrs.define
@@ -119,11 +119,18 @@ class FeatureSet:
         counts = load_file(str(path))["token_counts"] if path.exists() else None
         return DataStats(token_counts=counts, num_samples=int(self.manifest.get("samples", {}).get("train", 0)))
 
-    def open_store(self, context: BuildContext, *, consume_once: bool = False) -> Any:
-        """The directory's disk store (``consume_once``: a release deletes the sample's file)."""
+    def open_store(self, context: BuildContext, *, consume_once: bool = False, verify_checksums: bool = False) -> Any:
+        """The directory's disk store (``consume_once``: a release deletes the sample's file; ``verify_checksums``:
+        every get checks each tensor's checksum)."""
         from .feature_stores.disk import DiskFeatureStore
 
-        return DiskFeatureStore(_store_options(self.path / STORE_DIR, consume_once), context)
+        return DiskFeatureStore(_store_options(self.path / STORE_DIR, consume_once, verify_checksums), context)
+
+    def check_complete(self) -> None:
+        """Refuse a capture that did not finish."""
+        if not self.manifest.get("complete"):
+            raise FeatureSetError(f"the capture into {self.path} did not finish (its manifest is not complete): run "
+                                  "the same `specforge capture` command again to complete it")
 
     def refs_by_split(self, store: Any) -> dict[str, list[SampleRef]]:
         """Refs per split (one directory scan), each in a stable order (sorted by sample id)."""
@@ -139,9 +146,7 @@ class FeatureSet:
         deleted or moved) fails the open with ``missing="fail"``; with ``"skip"`` it is left
         out and the report (else None) names it. Files the manifest does not list are left out.
         """
-        if not self.manifest.get("complete"):
-            raise FeatureSetError(f"the capture into {self.path} did not finish (its manifest is not complete): run "
-                                  "the same `specforge capture` command again to complete it")
+        self.check_complete()
         splits = self.refs_by_split(store)
         listed = self.manifest.get("sample_ids")
         lacking: dict[str, list[str]] = {}

@@ -481,6 +481,23 @@ def unfinished_capture(w):
 
 
 @case
+def dry_run_of_an_unfinished_capture(w):  # --dry-run refuses what the run would
+    feats = copy_features(w)
+    manifest = json.loads((feats / "manifest.json").read_text())
+    (feats / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    return Bad(argv=[*linear_run(feats, w.tmp / "out"), "--dry-run"], code=1, kept=(feats,),
+               says=(f"the capture into {feats} did not finish", "run the same `specforge capture` command again"))
+
+
+@case
+def dry_run_with_features_of_another_strategy(w):
+    return Bad(argv=["run", "--strategy", "example", "--features", str(w.features), "--output", str(w.tmp / "out"),
+                     "--dry-run"], code=1,
+               says=(f"{w.features} has no feature", "that strategy 'example' needs", "capture again with --strategy "
+                     "example"))
+
+
+@case
 def capture_into_features_of_another_strategy(w):
     return Bad(argv=["capture", "--strategy", "example", "--target-model", str(w.tiny), "--output", str(w.features),
                      "--set", "data.max_samples=4"], code=1,

@@ -55,6 +55,7 @@ def test_pack_moves_every_file_into_one_pack_and_reads_back_the_same_tensors(fil
     counts = store.pack()
     assert counts == {"packs": 1, "samples": 6, "bytes": file_bytes}
     assert sample_files(root) == []
+    assert sorted(os.listdir(root)) == ["STORE.json", "packs"]  # the emptied shard directories are gone too
     data, index = packs_of(root)
     assert data.endswith(".data") and index == data[:-len(".data")] + ".json"
     assert store.scan() == refs  # the same refs, generations and all
@@ -170,7 +171,9 @@ def test_a_flipped_byte_in_a_pack_fails_its_sample_only_and_names_the_pack(fille
     data_path.write_bytes(bytes(data))
     reader = disk_store(root, verify_checksums=True)
     with pytest.raises(CorruptFeatureError, match=rf"{index['data']} \(sample 's3'\): feature '\w+' fails its xxh3-64 "
-                                                  r"check .* its bytes changed after they were written"):
+                                                  r"check .* its bytes changed after they were written\. The pack is "
+                                                  rf"damaged: delete {index['data']} and {index['data'][:-5]}\.json "
+                                                  r"from .* and run the same `specforge capture` again"):
         reader.get(refs[3])
     with pytest.raises(CorruptFeatureError, match=r"\(sample 's3'\)"):
         reader.get_batch(refs, None, lambda samples: None)
@@ -232,6 +235,7 @@ def test_a_crash_before_the_index_leaves_the_files_and_one_after_it_leaves_both(
     assert orphan not in packs_of(root)
     # a crash after the index, before the files went: put them back
     for sample_id, path in paths.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # the pack removed the emptied shard directories
         open(path, "wb").write(saved[sample_id])
     again = disk_store(root, verify_checksums=True)
     assert again.scan() == refs and again.stats()["samples"] == 6
@@ -254,5 +258,6 @@ def test_a_damaged_or_lost_pack_index_or_data_is_an_error_naming_it(filled):
     with pytest.raises(CorruptFeatureError, match=rf"{data}: it is 100 bytes, but its index says \d+"):
         disk_store(root).get(refs[0])
     os.remove(root / "packs" / data)
-    with pytest.raises(FeatureStoreError, match=rf"{data} is gone but its index is still there"):
+    with pytest.raises(FeatureStoreError, match=rf"{data} is gone but its index {index} is still there: delete the "
+                                                r"index too and run the same `specforge capture` again"):
         disk_store(root).get(refs[0])

@@ -6,6 +6,8 @@ gloo. The "linear" strategy comes from a fake installed distribution (tests/fixt
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,6 +134,27 @@ def test_a_strategy_breaking_the_step_contract_is_named_before_anything_is_saved
                      env_extra={"SF_TEST_BREAK": broken}, expect=2)  # a plugin error, as at load
     assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
     assert not (out / "latest").exists() and list(out.glob("lin-step*")) == []
+
+
+def test_verify_checksums_is_honoured_by_an_offline_run_of_a_packed_features_directory(site, features, tmp_path):
+    from specforge_core.features import FeatureSet
+    from specforge_core.protocols import BuildContext
+
+    packed = Path(shutil.copytree(features, tmp_path / "feats"))
+    with FeatureSet.open(packed).open_store(BuildContext(run_id="pack")) as store:
+        assert store.pack()["samples"] == 34
+    index = json.loads(next((packed / "store" / "packs").glob("*.json")).read_text())
+    sample_id, _generation, offset, size, _ref = next(entry for entry in index["samples"] if entry[0] == "train-0005")
+    data = packed / "store" / "packs" / index["data"]
+    damaged = bytearray(data.read_bytes())
+    damaged[offset + size - 3] ^= 0x10  # a byte of train-0005's labels
+    data.write_bytes(bytes(damaged))
+    proc = specforge(site, *train_args(packed, tmp_path / "out", "--set", "feature_store.verify_checksums=true"),
+                     expect=1)
+    assert re.search(rf"\(sample '{sample_id}'\): feature '[xy]' fails its xxh3-64 check .* The pack is damaged: "
+                     rf"delete {index['data']} and {index['data'][:-5]}.json from .* and run the same `specforge "
+                     "capture` again", proc.stderr)
+    assert not (tmp_path / "out" / "summary.json").exists()
 
 
 def test_a_warmup_longer_than_the_run_is_said_up_front(site, features, tmp_path):

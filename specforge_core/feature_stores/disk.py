@@ -460,6 +460,12 @@ class DiskFeatureStore(BaseFeatureStore):
         self._packs.refresh()
         for _sample_id, _generation, path, _size in files:
             _remove(path)
+        for directory in sorted({os.path.dirname(path) for *_rest, path, _size in files}):
+            for empty in (directory, os.path.dirname(directory)):  # ab/cd, then ab, once nothing is left in them
+                try:
+                    os.rmdir(empty)
+                except OSError:
+                    break
 
     # -- reading one file -----------------------------------------------------------------
 
@@ -506,8 +512,10 @@ class _Pack:
                     try:
                         fd = os.open(self.path, os.O_RDONLY)
                     except FileNotFoundError:
-                        raise FeatureStoreError(f"{self.path} is gone but its index is still there: packs must not "
-                                                "be deleted apart from their index (pack-<id>.json)") from None
+                        index = os.path.basename(self.path)[:-len(".data")] + ".json"
+                        raise FeatureStoreError(
+                            f"{self.path} is gone but its index {index} is still there: delete the index too and run "
+                            "the same `specforge capture` again, which captures the pack's samples again") from None
                     try:
                         if os.fstat(fd).st_size != self.size:
                             raise _corrupt(self.path, f"it is {os.fstat(fd).st_size} bytes, but its index says "
@@ -712,7 +720,7 @@ def _check_stored_ref(header: _Header, ref: SampleRef) -> None:
         raise _corrupt(path, f"its specforge metadata is missing or malformed ({exc!r})") from None
     if stored_generation != ref.generation:
         raise _corrupt(path, f"its metadata (sample {stored_id!r}, generation {stored_generation}) does not "
-                             "match its file name")
+                             f"match {'the pack index' if header.pack else 'its file name'}")
     if stored_id != ref.sample_id:  # two ids with one digest: never seen, but never wrong data
         raise _corrupt(path, f"it holds sample {stored_id!r}, not {ref.sample_id!r}")
 
@@ -797,7 +805,15 @@ def _parse_header(path: str, header: bytes, data_bytes: int) -> tuple[dict[str, 
     return metadata, entries
 
 
+_PACKED_LABEL = re.compile(r"^(.*)[/\\](pack-[0-9a-f]{12})\.data( \(sample .*\))?$", re.DOTALL)
+
+
 def _corrupt(path: str, what: str) -> CorruptFeatureError:
+    packed = _PACKED_LABEL.match(path)  # a pack, or one of its samples: "DIR/pack-<id>.data (sample 'x')"
+    if packed:
+        return CorruptFeatureError(
+            f"{path}: {what}. The pack is damaged: delete {packed.group(2)}.data and {packed.group(2)}.json from "
+            f"{packed.group(1)} and run the same `specforge capture` again, which captures its samples again")
     return CorruptFeatureError(
         f"{path}: {what}. The file is damaged or was not written by this store; delete it and capture "
         "the sample again"

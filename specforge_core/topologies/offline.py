@@ -21,6 +21,11 @@ from .capture import (capture_components, capture_into, eval_loader, report_spli
                       stored_token_rows, supervised_token_counts)
 
 
+def verify_checksums(plan: RunPlan) -> bool:
+    """The run's ``feature_store.verify_checksums`` (a features directory is always read through its disk store)."""
+    return bool(getattr(plan["feature_store"].options, "verify_checksums", False))
+
+
 class OfflineSource:
     """Samples from a features directory (``--features DIR``)."""
 
@@ -32,7 +37,7 @@ class OfflineSource:
         self.features = FeatureSet.open(plan.features)
         self.target = self.features.target
         self.features.check_plan(strategy.capture_plan(self.target), plan["strategy"].spec.name)
-        self.store = self.features.open_store(context)
+        self.store = self.features.open_store(context, verify_checksums=verify_checksums(plan))
         splits, self.data_report = self.features.listed_refs(self.store, missing=plan.data.missing_samples)
         self.refs, self.eval_refs = splits["train"], splits["eval"]
         if not self.refs:
@@ -88,13 +93,19 @@ def _pack(store: Any) -> dict[str, int]:
     """Pack the store's sample files (:meth:`DiskFeatureStore.pack`), with a progress bar."""
     from tqdm import tqdm
 
-    with tqdm(desc="pack features", unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
-              mininterval=0.5) as progress:
-        def advance(nbytes: int, total: int) -> None:
-            progress.total = total
-            progress.update(nbytes)
+    bar: list[Any] = []  # made at the first file: no bar when there is nothing to pack
 
+    def advance(nbytes: int, total: int) -> None:
+        if not bar:
+            bar.append(tqdm(desc="pack features", total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            dynamic_ncols=True, mininterval=0.5))
+        bar[0].update(nbytes)
+
+    try:
         return store.pack(progress=advance)
+    finally:
+        if bar:
+            bar[0].close()
 
 
 def _noting(samples: Any, seen: set[str]) -> Any:

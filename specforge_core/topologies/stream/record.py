@@ -273,11 +273,14 @@ class DirectoryStream:
         """
         from ...features import FeatureSet
 
+        from ..offline import verify_checksums
+
         features = FeatureSet.open(self.root)
         store = stream_store(self.plan, self.context)
-        eval_store = features.open_store(self.context)
+        verify = verify_checksums(self.plan)
+        eval_store = features.open_store(self.context, verify_checksums=verify)
         if store is None:
-            store = features.open_store(self.context, consume_once=True)
+            store = features.open_store(self.context, consume_once=True, verify_checksums=verify)
         return features, store, eval_store, features.refs_by_split(eval_store)["eval"]
 
     def end(self, store: Any, manifest: dict[str, Any]) -> None:
