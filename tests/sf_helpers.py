@@ -65,3 +65,24 @@ def run_specforge(*args: str, env: dict[str, str] | None = None, ranks: int = 1,
     from specforge_core.testing.cli import run_specforge as run
 
     return run(*args, env=env, ranks=ranks, expect=expect, timeout=timeout)
+
+
+def interrupt_when(args: list[str], env: dict[str, str], ready, timeout: float = 120) -> tuple[int, str]:
+    """Start ``specforge ARGS``, send it SIGINT (Ctrl-C) once ``ready()`` is true (or it ended, or ``timeout``
+    passed); its exit status and stderr. SIGINT has its default disposition in the child, as a terminal's Ctrl-C
+    finds it: a suite started in the background of a shell without job control hands its children SIGINT
+    ignored, and Python then never raises KeyboardInterrupt."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([SPECFORGE, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, stderr

@@ -72,29 +72,14 @@ def test_capture_resumes_without_recapturing(site, tiny, features):
 
 
 def test_ctrl_c_during_a_capture_keeps_what_it_captured_and_the_same_command_finishes_it(site, tiny, tmp_path):
-    import signal
-    import subprocess
-    import time
-
-    from sf_helpers import SPECFORGE
+    from sf_helpers import interrupt_when
 
     out = tmp_path / "feats"
     args = ["capture", "--strategy", "example", "--target-model", str(tiny), "--output", str(out), "--batch-size", "1",
             "--set", "data.max_samples=200"]
-    # SIGINT with its default disposition, as a terminal's Ctrl-C finds it (see the run's Ctrl-C test)
-    proc = subprocess.Popen([SPECFORGE, *args], env={**site.env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while len(list((out / "store").rglob("*.safetensors"))) < 5 and time.monotonic() < deadline \
-                and proc.poll() is None:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        _stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stderr[-3000:]
+    returncode, stderr = interrupt_when(args, {**site.env(), "OMP_NUM_THREADS": "1"},
+                                        lambda: len(list((out / "store").rglob("*.safetensors"))) >= 5)
+    assert returncode == 130, stderr[-3000:]
     assert (f"interrupted: the samples captured so far stay in {out}; run the same command again to finish (it skips "
             "them)") in stderr
     assert "Traceback" not in stderr and "Aborted!" not in stderr

@@ -278,29 +278,13 @@ def test_resume_latest_into_an_output_without_a_run_creates_nothing(site, featur
 
 
 def test_ctrl_c_during_a_run_names_the_checkpoint_to_resume_from(site, features, tmp_path):
-    import signal
-    import subprocess
-    import time
-
-    from sf_helpers import SPECFORGE
+    from sf_helpers import interrupt_when
 
     out = tmp_path / "out"
-    env = {**site.env(), "OMP_NUM_THREADS": "1"}
-    # Ctrl-C's SIGINT as a terminal delivers it: a run started in the background of a shell without job control
-    # (as CI may start the suite) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
-    proc = subprocess.Popen([SPECFORGE, *train_args(features, out, "--set", "train.epochs=100000", "--set",
-                                                    "train.save_every=2", steps=1000000)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "latest").exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        _stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stderr[-3000:]
+    returncode, stderr = interrupt_when(train_args(features, out, "--set", "train.epochs=100000", "--set",
+                                                   "train.save_every=2", steps=1000000),
+                                        {**site.env(), "OMP_NUM_THREADS": "1"}, (out / "latest").exists)
+    assert returncode == 130, stderr[-3000:]
     latest = (out / "latest").read_text().strip()
     assert f"interrupted; the run's latest checkpoint is {out / latest}: continue it with the same command and " \
            "--resume latest" in stderr
