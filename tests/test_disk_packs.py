@@ -257,6 +257,12 @@ def test_a_damaged_or_lost_pack_index_or_data_is_an_error_naming_it(filled):
     os.truncate(root / "packs" / data, 100)
     with pytest.raises(CorruptFeatureError, match=rf"{data}: it is 100 bytes, but its index says \d+"):
         disk_store(root).get(refs[0])
+    index_json = json.loads((root / "packs" / index).read_text())
+    index_json["samples"][2][2] = index_json["bytes"] + 64  # s2 placed past the pack's end
+    (root / "packs" / index).write_text(json.dumps(index_json))
+    with pytest.raises(CorruptFeatureError, match=rf"{index}: sample 's2' lies outside its pack"):
+        disk_store(root)
+    shutil.copy(root / "index.bak", root / "packs" / index)
     os.remove(root / "packs" / data)
     with pytest.raises(FeatureStoreError, match=rf"{data} is gone but its index {index} is still there: delete the "
                                                 r"index too and run the same `specforge capture` again"):
