@@ -16,8 +16,8 @@ For each store and sample size this prints one JSON line:
   sample at a time, each get followed by its copy: the least favourable order for the
   get's fixed cost, since each copy flushes the CPU caches the next get runs from.
   ``batch_get_vs_raw_read`` reads ``batch`` samples at a time the way the feature loader
-  does (``get_batch``: the batch's gets, then the collate's copies, with the checksums of a
-  verifying store on another thread beside the copies) against raw reads of as many files;
+  does (``get_batch``: the batch's gets, then the collate's copies, a verifying store's
+  checksum of each tensor just before its copy, ``copy_checked``) against raw reads of as many files;
   samples so large that four batches would not fit the pool are read one at a time
   (``batch`` says how many were used). ``get_batch`` waits for its checksums and unmaps its
   samples before it returns, so no part of a get runs on beside the raw read that follows.
@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 
 from specforge_core.builtin import DiskStoreOptions, MemoryStoreOptions
-from specforge_core.checksums import CRC32C, CRC32C_IN_HARDWARE, DEFAULT_CHECKSUM, ChecksumKind, checksum
+from specforge_core.checksums import CRC32C, CRC32C_IN_HARDWARE, DEFAULT_CHECKSUM, ChecksumKind, checksum, copy_checked
 from specforge_core.feature_stores.disk import DiskFeatureStore
 from specforge_core.feature_stores.memory import MemoryFeatureStore
 from specforge_core.heap import empty_reused, keep_heap
@@ -100,7 +100,7 @@ def paired_medians(first: Callable[[], object], second: Callable[[], object], re
 
 def copy_into(dest: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
     for name, tensor in tensors.items():
-        dest[name].copy_(tensor)
+        copy_checked(dest[name], tensor)  # as a collate copies (pad_right): a verifying store checks each first
 
 
 def read_into(path: str, buffer: bytearray) -> None:
@@ -155,7 +155,7 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
     get followed by its copy, the least favourable order: the copy flushes the CPU caches
     the next get's Python code and data ran from), and ``batch`` samples at a time. Both read
     through ``get_batch`` as the feature loader does (the gets, then the collate's copies;
-    with ``verify_checksums`` the checksums run on another thread beside the copies).
+    with ``verify_checksums`` each tensor's checksum runs just before its copy).
     """
     batch = max(1, min(batch, POOL_BYTES // (4 * nbytes(sample))))  # the pool holds >= 4 batches
     count = max(4 * batch, -(-POOL_BYTES // nbytes(sample)))
@@ -179,7 +179,7 @@ def distinct_samples(store: DiskFeatureStore, sample: dict[str, torch.Tensor], r
             for dest, tensors in zip(dests, samples):
                 copy_into(dest, tensors)
 
-        def get_batch(first: int) -> None:  # as the loader reads: with checksums, they run beside the copies
+        def get_batch(first: int) -> None:  # as the loader reads: with checksums, each just before its copy
             store.get_batch([refs[(first + k) % count] for k in range(size)], None, copy_all)
 
         def read_batch(first: int) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specforge_core.builtin import DiskStoreOptions
+from specforge_core.checksums import copy_checked
 from specforge_core.errors import CorruptFeatureError, FeatureStoreError, SampleNotFoundError, StaleRefError
 from specforge_core.feature_stores.disk import DiskFeatureStore
 from specforge_core.protocols import BuildContext
@@ -177,6 +178,19 @@ def test_a_flipped_byte_in_a_pack_fails_its_sample_only_and_names_the_pack(fille
         reader.get(refs[3])
     with pytest.raises(CorruptFeatureError, match=r"\(sample 's3'\)"):
         reader.get_batch(refs, None, lambda samples: None)
+    copied = []
+
+    def collate(samples):  # copies as pad_right does
+        for index, sample in enumerate(samples):
+            for tensor in sample.values():
+                copy_checked(torch.empty_like(tensor), tensor)
+                copied.append(index)
+
+    with pytest.raises(CorruptFeatureError, match=r"\(sample 's3'\).* fails its xxh3-64 check .* The pack is damaged"):
+        reader.get_batch(refs, None, collate)
+    whole = len(tensors_of(0))
+    assert copied[:3 * whole] == [0] * whole + [1] * whole + [2] * whole  # each tensor checked as it was copied
+    assert set(copied[3 * whole:]) <= {3} and len(copied) < 4 * whole  # and the damaged one of s3 never was
     for i in (0, 1, 2, 4, 5):
         assert_same_tensors(reader.get(refs[i]), tensors_of(i))
 
@@ -193,6 +207,9 @@ def test_writing_into_a_packed_sample_changes_neither_the_pack_nor_another_proce
                                                 r"pack differ from the file, which is intact: a caller wrote into "
                                                 r"tensors an earlier get returned"):
         store.get(refs[2])
+    with pytest.raises(FeatureStoreError, match=r"\(sample 's2'\): .* a caller wrote into tensors"):  # in a copy too
+        store.get_batch(refs[1:3], None, lambda samples: [copy_checked(torch.empty_like(t), t)
+                                                          for sample in samples for t in sample.values()])
     assert_same_tensors(store.get(refs[1]), tensors_of(1))
 
 

@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import re
+import threading
 import weakref
 import zlib
 
@@ -432,33 +433,65 @@ def test_disk_flipped_data_byte_fails_the_checksum(damaged):
     _bystander_unharmed(store, bystander)
 
 
-def test_disk_batch_read_checksums_on_another_thread_while_then_runs_and_returns_its_result(damaged, monkeypatch):
-    import threading
-
-    from specforge_core.feature_stores import disk
-
-    from specforge_core.feature_stores import base
+def test_disk_batch_read_checks_each_tensor_just_before_the_collate_copies_it_and_the_rest_after(damaged):
+    """xxh3-64 files: get_batch hands each tensor's check to the copy that reads it (copy_checked, as pad_right
+    copies), in the reading thread; what the collate did not copy is checked after it, before anything returns."""
+    from specforge_core import checksums
 
     store, victim, bystander, _path = damaged
+    events, real = [], checksums.checksum_bytes
+
+    def logged(data, kind=checksums.DEFAULT_CHECKSUM):
+        events.append(("hash", len(data), threading.current_thread().name))
+        return real(data, kind)
+
+    def then(samples):
+        dest = torch.empty(64, 32)
+        checksums.copy_checked(dest, samples[0]["hidden_states"])
+        events.append(("copy", "victim"))
+        checksums.copy_checked(torch.empty(6, 4), samples[1]["hidden_states"][:6])  # a slice: not the checked tensor
+        events.append(("copy", "a slice"))
+        return dest
+
+    me = threading.current_thread().name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checksums, "checksum_bytes", logged)
+        got = store.get_batch([victim, bystander], None, then)
+    assert torch.equal(got, store.get(victim)["hidden_states"])
+    sizes = {name: t.numel() * t.element_size() for name, t in sample_tensors().items()}
+    assert events[:3] == [("hash", 64 * 32 * 4, me), ("copy", "victim"), ("copy", "a slice")]
+    assert sorted(events[3:]) == sorted(("hash", size, me) for size in sizes.values())  # after then, this thread
+    # outside a batch read copy_checked is a plain copy, and a store without checksums leaves nothing to check
+    events.clear()
+    dest = torch.empty(64, 32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checksums, "checksum_bytes", logged)
+        checksums.copy_checked(dest, store.get(victim)["hidden_states"])
+        events.clear()
+        plain = disk_store(store.root, verify_checksums=False)
+        assert plain.get_batch([bystander], ["input_ids"], lambda samples: list(samples[0])) == ["input_ids"]
+    assert events == []
+
+
+def test_disk_batch_read_of_a_pre_crc32c_file_checks_it_on_another_thread_while_then_runs(tmp_path, monkeypatch):
+    """A zlib-crc32 file's check is split over threads: get_batch runs it first (a small batch) or beside then."""
+    from specforge_core.feature_stores import base, disk
+
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    tensors = {"hidden_states": torch.randn(64, 32), "input_ids": torch.arange(64)}
+    ref, _path = _write_pre_crc32c_file(store, "old", tensors)
     checked_on, real_verify = [], disk._verify
     monkeypatch.setattr(disk, "_verify", lambda header, data, names: (checked_on.append(threading.current_thread().name),
                                                                         real_verify(header, data, names)))
-    # a batch this small (8 KiB) is checked first, in the calling thread
-    store.get_batch([victim, bystander], None, len)
-    assert checked_on == [threading.current_thread().name] * 2
+    store.get_batch([ref], None, len)  # this small batch is checked first, in the calling thread
+    assert checked_on == [threading.current_thread().name]
     checked_on.clear()
     monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # as a batch of large samples is
     gets_before = store.stats()["gets"]
-    got = store.get_batch([victim, bystander], None, lambda samples: [dict(s) for s in samples])
-    assert len(got) == 2 and got[0]["hidden_states"].shape == (64, 32)
-    assert_same_tensors(got[1], sample_tensors())
-    assert len(checked_on) == 2 and all(name.startswith("specforge-verify") for name in checked_on)
-    assert store.stats()["gets"] == gets_before + 2
-    # without checksums nothing is left for another thread: then gets the samples as get returns them
-    plain = disk_store(store.root, verify_checksums=False)
-    checked_on.clear()
-    assert plain.get_batch([bystander], ["input_ids"], lambda samples: list(samples[0])) == ["input_ids"]
-    assert checked_on == []
+    got = store.get_batch([ref], None, lambda samples: [dict(s) for s in samples])
+    assert_same_tensors(got[0], tensors)
+    assert len(checked_on) == 1 and checked_on[0].startswith("specforge-verify")
+    assert store.stats()["gets"] == gets_before + 1
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -497,19 +530,28 @@ def test_disk_batch_read_drops_its_samples_on_the_readers_thread_and_keeps_what_
     assert len(kept_list) == 2 and torch.equal(kept_list[0]["hidden_states"], sample_tensors(seed=0)["hidden_states"])
 
 
-def test_disk_batch_read_of_a_flipped_byte_raises_after_then_and_drops_its_result(damaged, monkeypatch):
-    from specforge_core.feature_stores import base
+def test_disk_batch_read_of_a_flipped_byte_raises_at_its_copy_or_after_then_and_drops_its_result(damaged):
+    from specforge_core.checksums import copy_checked
 
     store, victim, bystander, path = damaged
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
+    fails = re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"
+    copied = []
+
+    def then(samples):  # copies the bystander, then the victim
+        for sample in samples:
+            for name, tensor in sample.items():
+                copy_checked(torch.empty_like(tensor), tensor)
+                copied.append((len(sample), name))
+        return "batch"
+
+    with pytest.raises(CorruptFeatureError, match=fails):  # at the victim's copy, before it
+        store.get_batch([bystander, victim], None, then)
+    assert copied == [(3, name) for name in sample_tensors()]
     calls = []
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"):
-        store.get_batch([bystander, victim], None, calls.append)  # small: checked before then, which never runs
-    assert calls == []
-    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # checked beside then
-    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"):
+    with pytest.raises(CorruptFeatureError, match=fails):  # a collate that copies nothing: after it
         store.get_batch([bystander, victim], None, lambda samples: calls.append(len(samples)) or "batch")
     assert calls == [2]  # the collate ran, its batch was never returned
     with pytest.raises(CorruptFeatureError, match="delete it and capture"):  # a synchronous error stays one
@@ -563,6 +605,51 @@ def test_disk_reads_and_verifies_files_of_the_release_that_recorded_crc32c(tmp_p
     with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32c check"):
         store.get(ref)
     assert path.exists()
+
+
+@pytest.mark.parametrize("kind", ["xxh3-64", "crc32c"])
+def test_a_large_tensor_is_checked_and_copied_a_part_at_a_time_and_a_flip_in_its_last_part_fails(tmp_path, kind,
+                                                                                                monkeypatch):
+    """Above 2 * FUSED_PART bytes (1 KiB here) copy_checked hashes and copies a tensor a part at a time, in one pass,
+    and raises after its last part; a smaller tensor is checked whole before its copy, which then never happens."""
+    from specforge_core import checksums
+    from specforge_core.checksums import copy_checked
+    from specforge_core.feature_stores import disk
+
+    if kind == "crc32c" and not checksums.CRC32C_IN_HARDWARE:
+        pytest.skip("crc32c in software is split over threads, checked beside the collate instead")
+    monkeypatch.setattr(checksums, "FUSED_PART", 512)
+    store = disk_store(tmp_path / "store", verify_checksums=True)
+    large, small = torch.randn(64, 33), torch.randn(4, 32)  # 33 floats a row: parts of 3 rows, the last one short
+    with monkeypatch.context() as patch:  # crc32c: a put as the release that recorded it made it
+        if kind == "crc32c":
+            patch.setattr(disk, "DEFAULT_CHECKSUM", CRC32C)
+        ref = store.put("s", {"large": large, "small": small})
+    copies = {name: torch.zeros_like(t) for name, t in (("large", large), ("small", small))}
+
+    def collate(samples):
+        for name, tensor in samples[0].items():
+            copy_checked(copies[name], tensor)
+        return "batch"
+
+    assert store.get_batch([ref], None, collate) == "batch"
+    assert torch.equal(copies["large"], large) and torch.equal(copies["small"], small)
+    path = sample_file(store, "s")
+    data = bytearray(path.read_bytes())
+    last_row, small_at = data.find(large[-1].numpy().tobytes()), data.find(small.numpy().tobytes())
+    data[last_row + 5] ^= 0x01  # in the last part of "large"
+    path.write_bytes(bytes(data))
+    copies = {name: torch.zeros_like(t) for name, t in copies.items()}
+    with pytest.raises(CorruptFeatureError, match=rf"'large' fails its {kind} check"):
+        store.get_batch([ref], None, collate)
+    assert torch.equal(copies["large"][:63], large[:63])  # every part copied as it was hashed: one pass
+    data[last_row + 5] ^= 0x01
+    data[small_at + 5] ^= 0x01  # now "small" only
+    path.write_bytes(bytes(data))
+    copies = {name: torch.zeros_like(t) for name, t in copies.items()}
+    with pytest.raises(CorruptFeatureError, match=rf"'small' fails its {kind} check"):
+        store.get_batch([ref], None, collate)
+    assert torch.equal(copies["large"], large) and not copies["small"].any()  # checked whole, never copied
 
 
 def _write_pre_crc32c_file(store: DiskFeatureStore, sample_id: str, tensors: dict) -> tuple:

@@ -136,25 +136,29 @@ def test_a_corrupt_sample_surfaces_with_its_file_name(tmp_path):
     assert len(list(tmp_path.rglob("*.safetensors"))) == 4  # nothing deleted
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-def test_a_flipped_byte_in_a_verified_store_stops_its_batch_before_training_sees_it(tmp_path, monkeypatch, deferred):
-    """With verify_checksums the loader reads batches through get_batch; whether the checksums run first (a
-    small batch) or on another thread beside the collate, a sample that fails stops its batch."""
-    from specforge_core.feature_stores import base
+@pytest.mark.parametrize("padded", [False, True], ids=["stacked", "pad_features"])
+def test_a_flipped_byte_in_a_verified_store_stops_its_batch_before_training_sees_it(tmp_path, padded):
+    """With verify_checksums the loader reads batches through get_batch; whether the collate's copies check each
+    tensor (pad_features) or the checks run after a collate that copies otherwise, a sample that fails stops its
+    batch."""
+    from specforge_core.data.collate import pad_features
 
-    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0 if deferred else 1 << 30)
+    def padding(samples, sample_ids):
+        padded_features, _lengths = pad_features(samples, sample_ids, ["v"], strategy="test")
+        return TrainBatch(tensors=padded_features, sample_ids=sample_ids, num_tokens=len(samples))
+
     store = DiskFeatureStore(DiskStoreOptions(path=str(tmp_path), verify_checksums=True), BuildContext())
     refs = fill(store, 4)
     victim = store.path_of(refs[3])
     data = bytearray(open(victim, "rb").read())
     data[-2] ^= 0x10
     open(victim, "wb").write(bytes(data))
-    loader = FeatureDataLoader(store, collate, refs=refs, batch_size=2, shuffle=False)
+    loader = FeatureDataLoader(store, padding if padded else collate, refs=refs, batch_size=2, shuffle=False)
     seen = []
     with pytest.raises(CorruptFeatureError, match=re.escape(victim) + r".*fails its xxh3-64 check"):
         for batch in loader:
-            seen.append(list(batch.sample_ids))
-    assert seen == [[ref.sample_id for ref in refs[:2]]]  # the first batch trained, the damaged one never
+            seen.append((list(batch.sample_ids), batch.tensors["v"].view(-1).tolist()))
+    assert seen == [(["s000", "s001"], [0.0, 1.0])]  # the first batch trained, the damaged one never
     assert loader.stats["batches"] == 1 and loader.stats["collate_s"] > 0 and loader.stats["get_s"] > 0
     assert len(list(tmp_path.rglob("*.safetensors"))) == 4  # nothing deleted
 

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from specforge_core.checksums import copy_checked
 from specforge_core.errors import SpecforgeError
 from specforge_core.heap import empty_reused
 
@@ -78,7 +79,7 @@ def pad_right(tensors: Sequence[torch.Tensor], *, value: float = 0, dtype: torch
     out = empty_reused((len(tensors), longest, *first.shape[1:]), dtype or first.dtype, first.device)
     for row, tensor in enumerate(tensors):
         length = int(tensor.shape[0])
-        out[row, :length] = tensor
+        copy_checked(out[row, :length], tensor)  # a verifying store's check of the tensor runs just before
         if length < longest:
             out[row, length:] = value
     return out

@@ -20,15 +20,15 @@ import torch
 
 from ..contracts import FeatureSpec, SampleRef
 from ..dtypes import dtype_name
-from ..checksums import submit_check
+from ..checksums import TensorCheck, TensorChecks, copies_checking, submit_check
 from ..errors import FeatureStoreError, RecordError, SampleNotFoundError, StaleRefError, UnknownFeatureError
 
 T = TypeVar("T")
 
-#: :meth:`BaseFeatureStore.get_batch` hands deferred checks, and a file-mapping store's unmapping, to another
-#: thread from this many bytes a batch. Below, the hand-off cost more than it saved (one 1 MiB sample: 220 us
-#: a get with its checks handed off, 166 checked first; 1.01-1.06x as fast unmapped on the reader's thread;
-#: docs/benchmarks.md).
+#: :meth:`BaseFeatureStore.get_batch` hands deferred checks other than per-tensor ones (which the collate's
+#: copies run), such as a pre-crc32c file's zlib crc32, to another thread from this many bytes a batch.
+#: Below, the hand-off cost more than it saved (one 1 MiB sample: 220 us a get with its checks handed off,
+#: 166 checked first; docs/benchmarks.md).
 DEFER_CHECKS_FROM_BYTES = 2 << 20
 
 #: How many released / aborted sample ids a store remembers to explain a failed get.
@@ -160,16 +160,19 @@ def stale_error(ref: SampleRef, current: int) -> StaleRefError:
 
 
 def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[Callable[[], None]],
-                  then: Callable[[list], T]) -> T:
-    """``then(samples)`` with ``checks`` run on the checks' thread beside it; raises the first failed check after
-    ``then``, whose result is then never returned."""
-    if not checks:
+                  in_copies: list[TensorCheck], then: Callable[[list], T]) -> T:
+    """``then(samples)`` with ``checks`` run on the checks' thread beside it and ``in_copies`` by ``then``'s copies
+    (those it did not copy after it); raises the first failed check after ``then``, whose result is then never
+    returned."""
+    if not checks and not in_copies:
         return then(samples)
-    pending = submit_check(functools.partial(_run_all, checks))
+    pending = submit_check(functools.partial(_run_all, checks)) if checks else None
     try:
-        result = then(samples)
+        with copies_checking(in_copies) as copies:
+            result = then(samples)
+        _run_all(list(copies.pending.values()))
     finally:
-        failure = pending.exception()  # waits: nothing is returned before its bytes are checked
+        failure = None if pending is None else pending.exception()  # waits: nothing returns before it is checked
     if failure is not None:
         raise failure
     return result
@@ -241,10 +244,17 @@ class BaseFeatureStore:
         """``then`` of the samples' tensors (each as :meth:`get` returns them), as one batch read.
 
         ``then`` (a collate) must only read the tensors. A store whose reads have a check that can
-        run apart from the read (:meth:`_load_deferred`; the disk store's checksums) runs those
-        checks on a background thread while ``then`` runs here (batches of at least
-        :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first): a sample that fails raises
-        after ``then``, and ``then``'s result is never returned. Any other error raises as :meth:`get`'s.
+        run apart from the read (:meth:`_load_deferred`; the disk store's checksums) runs it apart:
+
+        - a check of each tensor (:class:`~specforge_core.checksums.TensorChecks`: the disk store's
+          checksums of every kind but a software crc) runs in ``then``, just before ``then`` copies that
+          tensor with :func:`~specforge_core.checksums.copy_checked` (as ``pad_right`` does), so that the copy
+          reads from the CPU cache; the checks of tensors ``then`` did not copy so run after it, here;
+        - any other check runs on a background thread while ``then`` runs here (batches of at least
+          :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first).
+
+        A sample that fails raises in ``then`` or after it, and ``then``'s result is never returned. Any
+        other error raises as :meth:`get`'s.
         The samples are dropped here as ``get_batch`` returns (a disk store's maps unmapped); tensors ``then``
         kept stay valid. Unmapping them on the checks' thread instead slowed a stream of batches: each unmap
         there stalled this thread's next maps and page faults (1 MiB samples in batches of 8 read 1.34x as fast
@@ -252,19 +262,22 @@ class BaseFeatureStore:
         """
         samples: list[dict[str, torch.Tensor]] = []
         checks: list[Callable[[], None]] = []
+        in_copies: list[TensorCheck] = []
         for ref in refs:
             self._check_ref(ref, "get")
             loaded, check = self._load_deferred(ref, select_features(ref, keys))
             samples.append(loaded)
-            if check is not None:
+            if isinstance(check, TensorChecks):
+                in_copies += check
+            elif check is not None:
                 checks.append(check)
         with self._lock:
             self._counts["gets"] += len(samples)
-        if sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
+        if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
                 < DEFER_CHECKS_FROM_BYTES:  # a small batch: a hand-off to a thread costs more than it saves
             _run_all(checks)
             checks = []
-        return _then_checked(samples, checks, then)
+        return _then_checked(samples, checks, in_copies, then)
 
     def release(self, ref: SampleRef) -> None:
         """Say the sample was consumed: a consume-once store frees it, a retaining store keeps it.
@@ -354,8 +367,10 @@ class BaseFeatureStore:
 
     def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
                                                                         Callable[[], None] | None]:
-        """The tensors of :meth:`_load`, and a check of them that :meth:`get_batch` may run later on another
-        thread (raising what :meth:`_load` would have), or None when the read checked everything."""
+        """The tensors of :meth:`_load`, and a check of them that :meth:`get_batch` may run later (raising what
+        :meth:`_load` would have), or None when the read checked everything. A
+        :class:`~specforge_core.checksums.TensorChecks` is run tensor by tensor as the collate copies them; any
+        other check on another thread."""
         return self._load(ref, names), None
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:

@@ -52,7 +52,8 @@ from safetensors.torch import save_file
 
 from ..contracts import SampleRef
 from ..dtypes import SAFETENSORS_DTYPES, torch_dtype
-from ..checksums import CHECKSUM_KINDS, CRC32, DEFAULT_CHECKSUM, ChecksumKind, checksum, checksum_bytes
+from ..checksums import CHECKSUM_KINDS, CRC32, DEFAULT_CHECKSUM, ChecksumKind, TensorCheck, TensorChecks, checksum, \
+    checksum_bytes
 from ..fileio import atomic_write_text, fsync_dir
 from ..safetensors_header import HeaderError, check_entries
 from ..errors import CorruptFeatureError, FeatureStoreError, RecordError
@@ -112,8 +113,11 @@ class DiskFeatureStore(BaseFeatureStore):
       (``verify_checksums``, off by default; the size and shape checks always run) reads
       every byte once more: xxh3-64 on the CPU's vector units makes that pass cheaper than
       the copy that follows it. ``get`` runs it before returning; ``get_batch`` (what
-      the feature loader calls) runs it on another thread while the collate copies the
-      same pages, and raises after the collate if a sample fails (see
+      the feature loader calls) checks each tensor just before the collate copies it
+      (:func:`~specforge_core.checksums.copy_checked`, which ``pad_right`` copies with), so
+      the copy reads the bytes from the CPU cache, and the tensors the collate did not copy
+      after it (a pre-crc32c file's zlib crc32 on another thread while the collate runs); it
+      raises, and the collate's batch is never returned, if a sample fails (see
       ``bench/feature_stores.py``).
     - ``release`` deletes the file when ``consume_once``; deletions are not fsynced, since a
       file that a crash brings back costs disk space, never correctness (acks decide what
@@ -253,10 +257,13 @@ class DiskFeatureStore(BaseFeatureStore):
 
     def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
                                                                         Callable[[], None] | None]:
-        # the checksum pass, if any, is left to the caller: get runs it at once, get_batch beside the collate
+        # the checksum pass, if any, is left to the caller: get runs it at once, get_batch in the collate's copies
         header, mapped, tensors = self._map(ref, names)
         if not self.verify_checksums:
             return tensors, None
+        kind, crcs = _recorded_crcs(header)
+        if not kind.threaded:  # each tensor hashed as the collate copies it (a software crc is split over threads)
+            return tensors, _tensor_checks(header, mapped, tensors, kind, crcs)
         if header.pack is not None:  # checked here, before the copies: from pages already mapped, the hash is
             _verify_packed(header, mapped, names)  # faster alone than beside the collate's copies on another thread
             return tensors, None
@@ -734,31 +741,58 @@ def _verify(header: _Header, data: Any, names: Iterable[str]) -> None:
         _dtype, _shape, start, end = entries[name]
         actual = checksum_bytes(view[data_start + start:data_start + end], kind)
         if actual != crcs.get(name):
-            raise _corrupt(header.path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
-                                        f"read {actual}): its bytes changed after they were written")
+            raise _failure(header, name, kind, crcs, actual)
+
+
+def _tensor_checks(header: _Header, data: Any, tensors: dict[str, torch.Tensor], kind: ChecksumKind,
+                   crcs: dict[str, int]) -> TensorChecks:
+    """:func:`_verify` of ``tensors`` (over ``data``, the file's or pack's map; ``kind`` and ``crcs`` its recorded
+    checksums) as one check per tensor; a packed tensor that fails is told apart as :func:`_verify_packed` does."""
+    view, data_start = memoryview(data), header.offset + header.data_start
+    checks = TensorChecks()
+    for name, tensor in tensors.items():
+        _dtype, _shape, start, end = header.entries[name]
+        fail = functools.partial(_packed_failure if header.pack is not None else _failure, header, name, kind, crcs)
+        checks.append(TensorCheck(tensor, view[data_start + start:data_start + end], kind, crcs.get(name), fail))
+    return checks
+
+
+def _failure(header: _Header, name: str, kind: ChecksumKind, crcs: dict, actual: int) -> CorruptFeatureError:
+    return _corrupt(header.path, f"feature {name!r} fails its {kind.name} check (recorded {crcs.get(name)}, "
+                                 f"read {actual}): its bytes changed after they were written")
+
+
+def _packed_failure(header: _Header, name: str, _kind: ChecksumKind, _crcs: dict, _actual: int) -> Exception:
+    return _packed_diagnosis(header, [name])
 
 
 def _verify_packed(header: _Header, mapped: Any, names: Iterable[str]) -> None:
-    """:func:`_verify` of a packed sample in its pack's kept map; if its bytes there fail, check them in the pack file:
-    bytes that are right on disk were written to in this process's map, after an earlier get."""
+    """:func:`_verify` of a packed sample in its pack's kept map; if its bytes there fail, see
+    :func:`_packed_diagnosis`."""
     names = list(names)
     try:
         _verify(header, mapped, names)
     except CorruptFeatureError:
-        fd = os.open(header.pack, os.O_RDONLY)
-        try:
-            end = max(header.entries[name][3] for name in names)
-            on_disk = os.pread(fd, header.data_start + end, header.offset)
-        finally:
-            os.close(fd)
-        try:
-            _verify(header._replace(offset=0), on_disk, names)
-        except CorruptFeatureError:
-            raise  # the pack itself is damaged
-        raise FeatureStoreError(
-            f"{header.path}: the sample's bytes in this process's map of the pack differ from the file, which is "
-            "intact: a caller wrote into tensors an earlier get returned (the tensors a get or a collate is "
-            "given must only be read)") from None
+        raise _packed_diagnosis(header, names) from None
+
+
+def _packed_diagnosis(header: _Header, names: list[str]) -> Exception:
+    """The error of a packed sample whose bytes in this process's map of the pack fail their check: the pack's
+    if they fail in the pack file too, else a caller's write into tensors an earlier get returned."""
+    fd = os.open(header.pack, os.O_RDONLY)
+    try:
+        end = max(header.entries[name][3] for name in names)
+        on_disk = os.pread(fd, header.data_start + end, header.offset)
+    finally:
+        os.close(fd)
+    try:
+        _verify(header._replace(offset=0), on_disk, names)
+    except CorruptFeatureError as damaged:  # the pack itself is damaged
+        return damaged
+    return FeatureStoreError(
+        f"{header.path}: the sample's bytes in this process's map of the pack differ from the file, which is "
+        "intact: a caller wrote into tensors an earlier get returned (the tensors a get or a collate is "
+        "given must only be read)")
 
 
 def _recorded_crcs(header: _Header) -> tuple[ChecksumKind, dict[str, int]]:
