@@ -187,21 +187,22 @@ class TensorCheck:
 
     def copy(self, dest: torch.Tensor, source: torch.Tensor) -> None:
         """The check, then ``dest.copy_(source)`` (``source`` is this check's tensor). A tensor larger than
-        ``2 * FUSED_PART`` bytes copied into one of its shape and dtype is hashed and copied a part of about
-        ``FUSED_PART`` bytes at a time (rows of its first dim), each part copied from the CPU cache its hash just
-        read it into; the check raises after the last part (``dest`` then holds bytes that failed)."""
+        ``2 * FUSED_PART`` bytes copied into a contiguous one of its shape and dtype is hashed and copied about
+        ``FUSED_PART`` bytes at a time, each part copied from the CPU cache its hash just read it into; the check
+        then raises after the last part (``dest`` holds bytes that failed)."""
         nbytes = len(self.data)
         if nbytes <= 2 * FUSED_PART or dest.shape != source.shape or dest.dtype != source.dtype \
-                or self.kind.threaded:
+                or self.kind.threaded or self.kind.stream is None or not source.is_contiguous() \
+                or not dest.is_contiguous():
             self()
             dest.copy_(source)
             return
-        row = nbytes // source.shape[0]
-        rows = max(1, FUSED_PART // row)
+        flat_dest, flat_source, size = dest.view(-1), source.view(-1), source.element_size()
+        step = max(1, FUSED_PART // size)
         hasher = self.kind.stream()
-        for first in range(0, source.shape[0], rows):
-            hasher.update(self.data[first * row:(first + rows) * row])
-            dest[first:first + rows].copy_(source[first:first + rows])
+        for first in range(0, flat_source.shape[0], step):
+            hasher.update(self.data[first * size:(first + step) * size])
+            flat_dest[first:first + step].copy_(flat_source[first:first + step])
         actual = hasher.intdigest()
         if actual != self.expected:
             raise self.fail(actual)
@@ -219,16 +220,29 @@ _copies = threading.local()  # .pending: {id(tensor): TensorCheck} while a batch
 
 
 class copies_checking:  # noqa: N801 - used as a context manager, like a function
-    """While open, :func:`copy_checked` in this thread runs the pending check of each tensor it copies from, once;
-    ``pending`` keeps the checks no copy ran, for the caller to run after. Nests (the outer set comes back)."""
+    """While open, :func:`copy_checked` in this thread runs the pending check of each tensor it copies from, once.
+
+    :meth:`unchecked` are the checks no copy ran (and one whose copy failed: a collate that catches the error
+    still has it raised after it), for the caller to run after; ``failed`` says whether a check failed in a copy.
+    Nests (the outer set comes back on exit)."""
 
     def __init__(self, checks: list[TensorCheck]) -> None:
-        self.pending = {id(check.tensor): check for check in checks}
+        self.pending: dict[int, TensorCheck] = {}
+        self.others: list[TensorCheck] = []  # a second check of one tensor object, run after
+        for check in checks:
+            if id(check.tensor) in self.pending:
+                self.others.append(check)
+            else:
+                self.pending[id(check.tensor)] = check
+        self.failed = False
         self._outer = None
+
+    def unchecked(self) -> list[TensorCheck]:
+        return [*self.pending.values(), *self.others]
 
     def __enter__(self) -> copies_checking:
         self._outer = getattr(_copies, "pending", None)
-        _copies.pending = self.pending
+        _copies.pending = self
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -242,11 +256,16 @@ def copy_checked(dest: torch.Tensor, source: torch.Tensor) -> None:
     verifying store's check of each tensor runs just before its copy (a large tensor's a part at a time,
     :meth:`TensorCheck.copy`): the copy reads the bytes from the CPU cache the hash leaves them in, not from memory
     a second time. A check that fails raises here."""
-    pending = getattr(_copies, "pending", None)
-    if pending:
-        check = pending.pop(id(source), None)  # the check holds its tensor: an id matched is that tensor
+    copies = getattr(_copies, "pending", None)
+    if copies is not None and copies.pending:
+        check = copies.pending.pop(id(source), None)  # the check holds its tensor: an id matched is that tensor
         if check is not None:
-            check.copy(dest, source)
+            try:
+                check.copy(dest, source)
+            except BaseException:
+                copies.pending[id(source)] = check  # still unchecked: raised again after a collate that caught it
+                copies.failed = True
+                raise
             return
     dest.copy_(source)
 

@@ -530,14 +530,19 @@ def test_disk_batch_read_drops_its_samples_on_the_readers_thread_and_keeps_what_
     assert len(kept_list) == 2 and torch.equal(kept_list[0]["hidden_states"], sample_tensors(seed=0)["hidden_states"])
 
 
+def _flip_a_byte(path) -> tuple[bytearray, str]:
+    """Flip a bit of the victim's hidden_states: the file's bytes now, and the error that names them."""
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    return data, re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"
+
+
 def test_disk_batch_read_of_a_flipped_byte_raises_at_its_copy_or_after_then_and_drops_its_result(damaged):
     from specforge_core.checksums import copy_checked
 
     store, victim, bystander, path = damaged
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01
-    path.write_bytes(bytes(data))
-    fails = re.escape(str(path)) + r".*'hidden_states' fails its xxh3-64 check"
+    data, fails = _flip_a_byte(path)
     copied = []
 
     def then(samples):  # copies the bystander, then the victim
@@ -559,6 +564,94 @@ def test_disk_batch_read_of_a_flipped_byte_raises_at_its_copy_or_after_then_and_
         store.get_batch([victim], None, lambda samples: calls.append(len(samples)))
     assert calls == [2]
     _bystander_unharmed(store, bystander)
+
+
+def test_a_collate_that_catches_a_failed_check_or_fails_on_damaged_bytes_still_gets_the_check_failure(damaged):
+    """A failed check is raised after a collate that caught it (its batch is never returned); a collate that fails
+    on its own while a tensor it had not copied yet is damaged gets the check's error, from its own."""
+    from specforge_core.data.collate import pad_right
+
+    store, victim, bystander, path = damaged
+    _data, fails = _flip_a_byte(path)
+    caught = []
+
+    def forgiving(samples):
+        try:
+            return pad_right([s["hidden_states"] for s in samples])
+        except CorruptFeatureError as exc:  # a collate that falls back, and tries again
+            caught.append(type(exc).__name__)
+            return pad_right([s["hidden_states"] for s in samples])
+
+    with pytest.raises(CorruptFeatureError, match=fails):
+        store.get_batch([victim], ["hidden_states"], forgiving)
+    assert caught == ["CorruptFeatureError"]
+
+    def indexing(samples):  # reads the damaged bytes as values before any copy checks them
+        raise IndexError("index 18014398509481999 is out of bounds")
+
+    with pytest.raises(CorruptFeatureError, match=fails) as raised:
+        store.get_batch([bystander, victim], None, indexing)
+    assert isinstance(raised.value.__cause__, IndexError)
+    with pytest.raises(IndexError, match="out of bounds"):  # nothing damaged: the collate's own error stays
+        store.get_batch([bystander], None, indexing)
+    _bystander_unharmed(store, bystander)
+
+
+def test_a_collate_that_writes_into_a_sample_file_is_told_from_a_damaged_file(damaged):
+    from specforge_core.checksums import copy_checked
+
+    store, victim, bystander, path = damaged
+    before = path.read_bytes()
+
+    def scribbling(samples):
+        samples[0]["hidden_states"][0, 0] = 7.0  # a collate that should only read
+        return [copy_checked(torch.empty_like(t), t) for s in samples for t in s.values()]
+
+    with pytest.raises(FeatureStoreError, match=re.escape(str(path)) + r": the sample's bytes in this process's map "
+                                                r"of the file differ from the file, which is intact: a caller wrote "
+                                                r"into tensors a get returned or a collate was given"):
+        store.get_batch([victim, bystander], None, scribbling)
+    assert path.read_bytes() == before
+    assert store.get(victim)["hidden_states"][0, 0] != 7.0  # a private map: the file and the next get never see it
+
+
+def test_copies_checking_keeps_a_second_check_of_one_tensor_and_parts_a_single_huge_row(tmp_path, monkeypatch):
+    from specforge_core import checksums
+    from specforge_core.checksums import XXH3_64, TensorCheck, copies_checking, copy_checked, checksum
+
+    monkeypatch.setattr(checksums, "FUSED_PART", 512)
+    row = torch.randn(1, 1000)  # one row of 4000 bytes: parts of 512 bytes all the same
+    ran = []
+
+    def check(expected, label):
+        return TensorCheck(row, row.view(-1).view(torch.uint8).numpy().data, XXH3_64, expected,
+                           lambda actual: ValueError(f"{label} failed"))
+
+    good, wrong = checksum(row), checksum(row) ^ 1
+    with copies_checking([check(good, "first"), check(wrong, "second")]) as copies:
+        dest = torch.zeros(1, 1000)
+        copy_checked(dest, row)
+        ran.append(torch.equal(dest, row))
+    assert ran == [True] and [c.expected for c in copies.unchecked()] == [wrong]  # the second is kept, not lost
+    streamed = []
+    real_stream = XXH3_64.stream
+
+    class Counting:
+        def __init__(self):
+            self.hasher = real_stream()
+
+        def update(self, data):
+            streamed.append(len(data))
+            self.hasher.update(data)
+
+        def intdigest(self):
+            return self.hasher.intdigest()
+
+    with copies_checking([TensorCheck(row, row.view(-1).view(torch.uint8).numpy().data,
+                                      attrs.evolve(XXH3_64, stream=Counting), good, ValueError)]):
+        dest = torch.zeros(1, 1000)
+        copy_checked(dest, row)
+    assert streamed == [512] * 7 + [416] and torch.equal(dest, row)
 
 
 def test_disk_records_the_plain_xxh3_64_of_large_tensors_and_catches_a_flip_anywhere(tmp_path):

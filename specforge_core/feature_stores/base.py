@@ -162,20 +162,41 @@ def stale_error(ref: SampleRef, current: int) -> StaleRefError:
 def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[Callable[[], None]],
                   in_copies: list[TensorCheck], then: Callable[[list], T]) -> T:
     """``then(samples)`` with ``checks`` run on the checks' thread beside it and ``in_copies`` by ``then``'s copies
-    (those it did not copy after it); raises the first failed check after ``then``, whose result is then never
-    returned."""
+    (those it did not copy after it). Raises the first failed check, and ``then``'s result is never returned; a
+    ``then`` that fails on its own is told apart from one that read damaged bytes: a check that fails then is
+    raised instead (from ``then``'s error)."""
     if not checks and not in_copies:
         return then(samples)
     pending = submit_check(functools.partial(_run_all, checks)) if checks else None
+    copies = copies_checking(in_copies)
     try:
-        with copies_checking(in_copies) as copies:
-            result = then(samples)
-        _run_all(list(copies.pending.values()))
+        try:
+            with copies:
+                result = then(samples)
+        except Exception as exc:
+            if copies.failed:  # a check raised in its copy: that is the error
+                raise
+            damaged = _first_failure(copies.unchecked())
+            if pending is not None and damaged is None:
+                damaged = pending.exception()
+            if damaged is not None:
+                raise damaged from exc
+            raise
+        _run_all(copies.unchecked())
     finally:
         failure = None if pending is None else pending.exception()  # waits: nothing returns before it is checked
     if failure is not None:
         raise failure
     return result
+
+
+def _first_failure(checks: list[Callable[[], None]]) -> Exception | None:
+    for check in checks:
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - returned, to be raised by the caller
+            return exc
+    return None
 
 
 def _run_all(checks: list[Callable[[], None]]) -> None:

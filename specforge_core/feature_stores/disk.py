@@ -747,13 +747,14 @@ def _verify(header: _Header, data: Any, names: Iterable[str]) -> None:
 def _tensor_checks(header: _Header, data: Any, tensors: dict[str, torch.Tensor], kind: ChecksumKind,
                    crcs: dict[str, int]) -> TensorChecks:
     """:func:`_verify` of ``tensors`` (over ``data``, the file's or pack's map; ``kind`` and ``crcs`` its recorded
-    checksums) as one check per tensor; a packed tensor that fails is told apart as :func:`_verify_packed` does."""
+    checksums) as one check per tensor; one that fails is told apart as :func:`_diagnosis` does (the collate it
+    runs in may have written into the tensor)."""
     view, data_start = memoryview(data), header.offset + header.data_start
     checks = TensorChecks()
     for name, tensor in tensors.items():
         _dtype, _shape, start, end = header.entries[name]
-        fail = functools.partial(_packed_failure if header.pack is not None else _failure, header, name, kind, crcs)
-        checks.append(TensorCheck(tensor, view[data_start + start:data_start + end], kind, crcs.get(name), fail))
+        checks.append(TensorCheck(tensor, view[data_start + start:data_start + end], kind, crcs.get(name),
+                                  functools.partial(_failure_in_map, header, name)))
     return checks
 
 
@@ -762,24 +763,27 @@ def _failure(header: _Header, name: str, kind: ChecksumKind, crcs: dict, actual:
                                  f"read {actual}): its bytes changed after they were written")
 
 
-def _packed_failure(header: _Header, name: str, _kind: ChecksumKind, _crcs: dict, _actual: int) -> Exception:
-    return _packed_diagnosis(header, [name])
+def _failure_in_map(header: _Header, name: str, actual: int) -> Exception:
+    try:
+        return _diagnosis(header, [name])
+    except OSError:  # the file is gone (released by another process): what the map holds is all there is
+        kind, crcs = _recorded_crcs(header)
+        return _failure(header, name, kind, crcs, actual)
 
 
 def _verify_packed(header: _Header, mapped: Any, names: Iterable[str]) -> None:
-    """:func:`_verify` of a packed sample in its pack's kept map; if its bytes there fail, see
-    :func:`_packed_diagnosis`."""
+    """:func:`_verify` of a packed sample in its pack's kept map; if its bytes there fail, see :func:`_diagnosis`."""
     names = list(names)
     try:
         _verify(header, mapped, names)
     except CorruptFeatureError:
-        raise _packed_diagnosis(header, names) from None
+        raise _diagnosis(header, names) from None
 
 
-def _packed_diagnosis(header: _Header, names: list[str]) -> Exception:
-    """The error of a packed sample whose bytes in this process's map of the pack fail their check: the pack's
-    if they fail in the pack file too, else a caller's write into tensors an earlier get returned."""
-    fd = os.open(header.pack, os.O_RDONLY)
+def _diagnosis(header: _Header, names: list[str]) -> Exception:
+    """The error of a sample whose bytes in this process's map of its file or pack fail their check: the file's
+    or pack's if they fail there too, else a caller's write into tensors a get returned or a collate was given."""
+    fd = os.open(header.pack or header.path, os.O_RDONLY)
     try:
         end = max(header.entries[name][3] for name in names)
         on_disk = os.pread(fd, header.data_start + end, header.offset)
@@ -787,12 +791,12 @@ def _packed_diagnosis(header: _Header, names: list[str]) -> Exception:
         os.close(fd)
     try:
         _verify(header._replace(offset=0), on_disk, names)
-    except CorruptFeatureError as damaged:  # the pack itself is damaged
+    except CorruptFeatureError as damaged:  # the file or pack itself is damaged
         return damaged
     return FeatureStoreError(
-        f"{header.path}: the sample's bytes in this process's map of the pack differ from the file, which is "
-        "intact: a caller wrote into tensors an earlier get returned (the tensors a get or a collate is "
-        "given must only be read)")
+        f"{header.path}: the sample's bytes in this process's map of the {'pack' if header.pack else 'file'} "
+        "differ from the file, which is intact: a caller wrote into tensors a get returned or a collate was given "
+        "(they must only be read)")
 
 
 def _recorded_crcs(header: _Header) -> tuple[ChecksumKind, dict[str, int]]:
