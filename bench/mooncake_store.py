@@ -6,7 +6,7 @@ crosses Mooncake's TCP transport, as between a producer and a consumer on two no
 over loopback). For each sample size this prints one JSON line:
 
 - ``put_gbps`` / ``get_gbps``: ``MooncakeStore.put`` and ``get`` of one sample (a bf16
-  ``hidden_states`` plus ``input_ids``) with the default options (crc32 checksums on);
+  ``hidden_states`` plus ``input_ids``) with the default options (xxh3-64 checksums on);
   ``*_no_checksums``: the same with ``checksums=False``;
 - ``raw_put_gbps`` / ``raw_get_gbps``: the physical limit, measured in the same run: a plain
   ``put_from`` / ``get_into`` of an object of the same size through the same client, from

@@ -42,7 +42,7 @@ class MooncakeStoreOptions:
     pin: bool = option(True, "Hard-pin stored objects so Mooncake never evicts them: a put into full segments "
                              "raises StoreFullError instead. False lets Mooncake evict samples under memory "
                              "pressure; a get of an evicted sample then raises SampleNotFoundError.")
-    checksums: bool = option(True, "Record a crc32 per 4 MiB block of every tensor at put and check it at get. "
+    checksums: bool = option(True, "Record an xxh3-64 checksum of every tensor at put and check it at get. "
                                    "The size, shape and identity checks always run.")
     token: str | None = option(None, "Shared secret recorded in the namespace on first use and checked on "
                                      "attach, so two jobs cannot mix up one namespace.")

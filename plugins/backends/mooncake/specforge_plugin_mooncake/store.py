@@ -36,7 +36,7 @@ Design, and why:
   instead of silently dropping samples a consumer still needs. Unpinned objects may be evicted; a get of one raises
   :class:`SampleNotFoundError` naming the sample and the key.
 - **Checks.** A get fetches the whole object with one ``get_into`` into a fresh buffer sized
-  from the ref, then checks header, exact size, identity and (``checksums``) crc32s before
+  from the ref, then checks header, exact size, identity and (``checksums``) xxh3-64 checksums before
   handing out tensors that are views into that buffer; anything else is
   :class:`CorruptFeatureError` naming the sample.
 - **stats()** counts the samples this instance put or read that still exist in Mooncake

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import zlib
+
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load
 
 from specforge_core.contracts import FeatureSpec
@@ -14,6 +18,11 @@ from specforge_plugin_mooncake import layout
 def _object(tensors, sample_id="s", generation=7, checksums=True) -> bytes:
     header, parts = layout.encode(sample_id, generation, tensors, checksums=checksums)
     return b"".join(chunk.numpy().tobytes() for chunk in [header, *parts])
+
+
+def load_header(blob) -> dict:
+    """The object's ``__metadata__``."""
+    return json.loads(bytes(blob[8:8 + int.from_bytes(blob[:8], "little")]).decode())["__metadata__"]
 
 
 def _features(tensors):
@@ -55,12 +64,61 @@ def test_a_truncated_object_is_refused(cut):
         _decode(blob[:-cut], tensors)
 
 
-def test_a_flipped_byte_fails_the_crc32_check_naming_the_feature():
+def test_a_flipped_byte_fails_the_xxh3_64_check_naming_the_feature():
     tensors = {"hidden_states": torch.ones(16, 8)}
     blob = bytearray(_object(tensors))
+    assert json.loads(load_header(blob)["specforge.checksums"]) == {
+        "hidden_states": xxhash.xxh3_64_intdigest(tensors["hidden_states"].numpy().tobytes())}
     blob[-5] ^= 0x01
+    with pytest.raises(layout.LayoutError, match="'hidden_states' fails its xxh3-64 check: its bytes changed after "
+                                                 "the put"):
+        _decode(bytes(blob), tensors)
+
+
+def _format_1_object(tensors, sample_id="s", generation=7) -> bytes:
+    """An object exactly as format specforge-mooncake/1 (earlier releases) laid it out: zlib crc32s per 4 MiB block."""
+    header, parts = layout.encode(sample_id, generation, tensors, checksums=False)
+    text = bytes(header[8:].numpy()).decode().rstrip()
+    raw = json.loads(text)
+    raw["__metadata__"]["specforge.format"] = "specforge-mooncake/1"
+    raw["__metadata__"]["specforge.crc32"] = json.dumps(
+        {name: [zlib.crc32(flat[i:i + layout.CRC_BLOCK].numpy().tobytes())
+                for i in range(0, max(1, flat.numel()), layout.CRC_BLOCK)]
+         for name, flat in zip(sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)), parts)})
+    return _blob(raw, parts)
+
+
+def _blob(raw: dict, parts) -> bytes:
+    """An object of header ``raw`` (a dict) and tensor bytes ``parts``, laid out as :func:`layout.encode` does."""
+    text = json.dumps(raw).encode()
+    padded = -(-(8 + len(text)) // 64) * 64 - 8
+    return padded.to_bytes(8, "little") + text + b" " * (padded - len(text)) + b"".join(
+        part.numpy().tobytes() for part in parts)
+
+
+def test_an_object_of_format_1_is_read_and_checked_by_its_crc32s_per_block():
+    tensors = {"hidden_states": make_tensor("float32", (layout.CRC_BLOCK // 4 + 3,)), "input_ids": torch.arange(9)}
+    blob = bytearray(_format_1_object(tensors))
+    assert_same_tensors(_decode(bytes(blob), tensors), tensors)
+    blob[-5] ^= 0x01  # in hidden_states' second crc block, its last 12 bytes (input_ids, 8-byte elements, go first)
     with pytest.raises(layout.LayoutError, match="'hidden_states' fails its crc32 check"):
         _decode(bytes(blob), tensors)
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({"specforge.format": "specforge-mooncake/3"}, r"its format is 'specforge-mooncake/3', not one of "
+                                                    r"'specforge-mooncake/1', 'specforge-mooncake/2' \(an object a "
+                                                    r"later release wrote"),
+    ({"specforge.checksum": "sha3"}, r"records checksums of kind 'sha3', which this specforge does not know"),
+    ({"specforge.checksums": "[1, 2]"}, r"its recorded checksums are not a map"),
+], ids=["later-format", "unknown-kind", "not-a-map"])
+def test_an_object_of_a_later_format_or_unknown_checksums_is_refused(metadata, message):
+    tensors = sample_tensors()
+    header, parts = layout.encode("s", 7, tensors, checksums=True)
+    raw = json.loads(bytes(header[8:].numpy()).decode().rstrip())
+    raw["__metadata__"].update(metadata)
+    with pytest.raises(layout.LayoutError, match=message):
+        _decode(_blob(raw, parts), tensors)
 
 
 def test_an_object_of_another_generation_or_sample_is_refused():
@@ -81,7 +139,7 @@ def test_a_shape_that_differs_from_the_ref_is_refused():
 def test_without_checksums_no_crc_is_recorded_and_the_size_checks_still_run():
     tensors = sample_tensors()
     blob = _object(tensors, checksums=False)
-    assert b"specforge.crc32" not in blob
+    assert b"specforge.checksum" not in blob and b"specforge.crc32" not in blob
     assert_same_tensors(_decode(blob, tensors), tensors)
     with pytest.raises(layout.LayoutError, match="truncated"):
         _decode(blob[:-3], tensors)

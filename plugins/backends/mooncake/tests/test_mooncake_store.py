@@ -187,7 +187,7 @@ def test_a_changed_byte_fails_the_checksum(store):
     damaged = bytearray(store._client.get(key))
     damaged[-1] ^= 0x40
     assert store._client.upsert(key, bytes(damaged)) == 0
-    with pytest.raises(CorruptFeatureError, match="'victim'.*'hidden_states' fails its crc32 check"):
+    with pytest.raises(CorruptFeatureError, match="'victim'.*'hidden_states' fails its xxh3-64 check"):
         store.get(ref)
 
 
