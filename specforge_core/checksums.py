@@ -29,7 +29,7 @@ import functools
 import os
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
@@ -45,7 +45,6 @@ CRC_BLOCK = 4 << 20
 #: tensor hashed first, 2 MiB parts 1.06x as fast as 1 MiB ones; docs/benchmarks.md)
 FUSED_PART = 2 << 20
 _pool: ThreadPoolExecutor | None = None
-_verifier: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
@@ -153,19 +152,6 @@ def _threads() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="specforge-crc")
         return _pool
-
-
-def submit_check(fn: Callable[[], object]) -> Future:
-    """Run ``fn`` (a store's deferred checksum pass) on its own thread; its future.
-
-    Not on the block threads: a deferred pass over a zlib-crc32 file hands its blocks to those,
-    and waiting on them from one of their own workers could deadlock.
-    """
-    global _verifier
-    with _pool_lock:
-        if _verifier is None:
-            _verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specforge-verify")
-    return _verifier.submit(fn)
 
 
 class TensorCheck:

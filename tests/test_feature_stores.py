@@ -473,37 +473,36 @@ def test_disk_batch_read_checks_each_tensor_just_before_the_collate_copies_it_an
     assert events == []
 
 
-def test_disk_batch_read_of_a_pre_crc32c_file_checks_it_on_another_thread_while_then_runs(tmp_path, monkeypatch):
-    """A zlib-crc32 file's check is split over threads: get_batch runs it first (a small batch) or beside then."""
-    from specforge_core.feature_stores import base, disk
+def test_disk_batch_read_of_a_pre_crc32c_file_checks_it_in_the_collates_copies_too(tmp_path):
+    """A zlib-crc32 file's tensors are checked as the collate copies them, like newer files' (the crc of a large
+    tensor split over the block threads); a flipped byte raises at that copy, naming the crc32 check."""
+    from specforge_core.checksums import copy_checked
 
     store = disk_store(tmp_path / "store", verify_checksums=True)
     tensors = {"hidden_states": torch.randn(64, 32), "input_ids": torch.arange(64)}
-    ref, _path = _write_pre_crc32c_file(store, "old", tensors)
-    checked_on, real_verify = [], disk._verify
-    monkeypatch.setattr(disk, "_verify", lambda header, data, names: (checked_on.append(threading.current_thread().name),
-                                                                        real_verify(header, data, names)))
-    store.get_batch([ref], None, len)  # this small batch is checked first, in the calling thread
-    assert checked_on == [threading.current_thread().name]
-    checked_on.clear()
-    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)  # as a batch of large samples is
+    ref, path = _write_pre_crc32c_file(store, "old", tensors)
+    copied = []
+
+    def collate(samples):
+        for name, tensor in samples[0].items():
+            copy_checked(torch.empty_like(tensor), tensor)
+            copied.append(name)
+        return [dict(s) for s in samples]
+
     gets_before = store.stats()["gets"]
-    got = store.get_batch([ref], None, lambda samples: [dict(s) for s in samples])
-    assert_same_tensors(got[0], tensors)
-    assert len(checked_on) == 1 and checked_on[0].startswith("specforge-verify")
+    assert_same_tensors(store.get_batch([ref], None, collate)[0], tensors)
     assert store.stats()["gets"] == gets_before + 1
+    data = bytearray(path.read_bytes())
+    data[data.find(tensors["hidden_states"][-1].numpy().tobytes()) + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    copied.clear()
+    with pytest.raises(CorruptFeatureError, match="'hidden_states' fails its crc32 check"):
+        store.get_batch([ref], None, collate)
+    assert "hidden_states" not in copied  # raised before its copy
 
 
 @pytest.mark.parametrize("verify", [True, False])
-@pytest.mark.parametrize("deferred", [False, True], ids=["small-batch", "large-batch"])
-def test_disk_batch_read_drops_its_samples_on_the_readers_thread_and_keeps_what_then_returned(tmp_path, verify,
-                                                                                             deferred, monkeypatch):
-    import threading
-
-    from specforge_core.feature_stores import base
-
-    if deferred:  # as a batch of large samples is: its checksums run on the checks' thread beside then
-        monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)
+def test_disk_batch_read_drops_its_samples_on_the_readers_thread_and_keeps_what_then_returned(tmp_path, verify):
     store = disk_store(tmp_path / "store", verify_checksums=verify)
     refs = [store.put(f"s{i}", sample_tensors(seed=i)) for i in range(3)]
     freed_on = []
@@ -615,7 +614,23 @@ def test_a_collate_that_writes_into_a_sample_file_is_told_from_a_damaged_file(da
     assert store.get(victim)["hidden_states"][0, 0] != 7.0  # a private map: the file and the next get never see it
 
 
-def test_copies_checking_keeps_a_second_check_of_one_tensor_and_parts_a_single_huge_row(tmp_path, monkeypatch):
+def test_a_failed_check_of_a_sample_whose_file_is_gone_says_what_its_map_read(damaged):
+    """The check is told apart in the file; a file deleted meanwhile leaves the map's reading as the error."""
+    from specforge_core.checksums import copy_checked
+
+    store, victim, _bystander, path = damaged
+
+    def scribbling_after_a_delete(samples):
+        path.unlink()  # as another process's release would
+        samples[0]["hidden_states"][0, 0] += 1.0
+        return [copy_checked(torch.empty_like(t), t) for t in samples[0].values()]
+
+    with pytest.raises(CorruptFeatureError, match=re.escape(str(path)) + r": feature 'hidden_states' fails its "
+                                                  r"xxh3-64 check \(recorded \d+, read \d+\)"):
+        store.get_batch([victim], None, scribbling_after_a_delete)
+
+
+def test_copies_checking_keeps_a_second_check_of_one_tensor_and_parts_a_single_huge_row(monkeypatch):
     from specforge_core import checksums
     from specforge_core.checksums import XXH3_64, TensorCheck, copies_checking, copy_checked, checksum
 
@@ -710,7 +725,7 @@ def test_a_large_tensor_is_checked_and_copied_a_part_at_a_time_and_a_flip_in_its
     from specforge_core.feature_stores import disk
 
     if kind == "crc32c" and not checksums.CRC32C_IN_HARDWARE:
-        pytest.skip("crc32c in software is split over threads, checked beside the collate instead")
+        pytest.skip("crc32c in software is split over threads: checked whole before the copy instead")
     monkeypatch.setattr(checksums, "FUSED_PART", 512)
     store = disk_store(tmp_path / "store", verify_checksums=True)
     large, small = torch.randn(64, 33), torch.randn(4, 32)  # 33 floats a row: parts of 3 rows, the last one short
@@ -885,17 +900,14 @@ def test_a_feature_set_keeps_the_frozen_parts_of_a_target_with_tied_embeddings(t
     assert parts["lm_head"] is embed and parts["embed_tokens"] is embed
 
 
-def test_a_deferred_check_of_a_large_zlib_crc32_file_finishes_with_one_block_thread(tmp_path, monkeypatch):
-    """The deferred pass of get_batch runs on its own thread: a zlib-crc32 tensor split over the block
-    threads (three blocks here) completes even when there is a single block thread."""
-    import threading
+def test_a_batch_read_of_a_large_zlib_crc32_file_finishes_with_one_block_thread(tmp_path, monkeypatch):
+    """A zlib-crc32 tensor checked in a batch read from a reader thread is split over the block threads (three
+    blocks here), and completes even when there is a single block thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     from specforge_core import checksums
-    from specforge_core.feature_stores import base
 
     monkeypatch.setattr(checksums, "_pool", ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-block"))
-    monkeypatch.setattr(base, "DEFER_CHECKS_FROM_BYTES", 0)
     store = disk_store(tmp_path / "store", verify_checksums=True)
     big = {"hidden_states": torch.randint(0, 256, (9 * 2**20,), dtype=torch.uint8)}
     ref, path = _write_pre_crc32c_file(store, "old-big", big)

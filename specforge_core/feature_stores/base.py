@@ -9,7 +9,6 @@ subclass only says where bytes live (``_store``, ``_load``, ``_release``, ``_dro
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import threading
@@ -20,16 +19,10 @@ import torch
 
 from ..contracts import FeatureSpec, SampleRef
 from ..dtypes import dtype_name
-from ..checksums import TensorCheck, TensorChecks, copies_checking, submit_check
+from ..checksums import TensorCheck, TensorChecks, copies_checking
 from ..errors import FeatureStoreError, RecordError, SampleNotFoundError, StaleRefError, UnknownFeatureError
 
 T = TypeVar("T")
-
-#: :meth:`BaseFeatureStore.get_batch` hands deferred checks other than per-tensor ones (which the collate's
-#: copies run), such as a pre-crc32c file's zlib crc32, to another thread from this many bytes a batch.
-#: Below, the hand-off cost more than it saved (one 1 MiB sample: 220 us a get with its checks handed off,
-#: 166 checked first; docs/benchmarks.md).
-DEFER_CHECKS_FROM_BYTES = 2 << 20
 
 #: How many released / aborted sample ids a store remembers to explain a failed get.
 #: Bounded so that a long online run does not grow without limit; past it the message
@@ -159,49 +152,27 @@ def stale_error(ref: SampleRef, current: int) -> StaleRefError:
     )
 
 
-def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[Callable[[], None]],
-                  in_copies: list[TensorCheck], then: Callable[[list], T]) -> T:
-    """``then(samples)`` with ``checks`` run on the checks' thread beside it and ``in_copies`` by ``then``'s copies
-    (those it did not copy after it). Raises the first failed check, and ``then``'s result is never returned; a
-    ``then`` that fails on its own is told apart from one that read damaged bytes: a check that fails then is
-    raised instead (from ``then``'s error)."""
-    if not checks and not in_copies:
+def _then_checked(samples: list[dict[str, torch.Tensor]], checks: list[TensorCheck], then: Callable[[list], T]) -> T:
+    """``then(samples)`` with ``checks`` run by ``then``'s copies (those it did not copy after it). Raises the first
+    failed check, and ``then``'s result is never returned; a ``then`` that fails on its own is told apart from one
+    that read damaged bytes: a check that fails then is raised instead (from ``then``'s error)."""
+    if not checks:
         return then(samples)
-    pending = submit_check(functools.partial(_run_all, checks)) if checks else None
-    copies = copies_checking(in_copies)
+    copies = copies_checking(checks)
     try:
-        try:
-            with copies:
-                result = then(samples)
-        except Exception as exc:
-            if copies.failed:  # a check raised in its copy: that is the error
-                raise
-            damaged = _first_failure(copies.unchecked())
-            if pending is not None and damaged is None:
-                damaged = pending.exception()
-            if damaged is not None:
-                raise damaged from exc
+        with copies:
+            result = then(samples)
+    except Exception as exc:
+        if copies.failed:  # a check raised in its copy: that is the error
             raise
-        _run_all(copies.unchecked())
-    finally:
-        failure = None if pending is None else pending.exception()  # waits: nothing returns before it is checked
-    if failure is not None:
-        raise failure
+        for check in copies.unchecked():
+            try:
+                check()
+            except Exception as damaged:  # noqa: BLE001 - the damage the collate's error came from
+                raise damaged from exc
+        raise
+    TensorChecks(copies.unchecked())()
     return result
-
-
-def _first_failure(checks: list[Callable[[], None]]) -> Exception | None:
-    for check in checks:
-        try:
-            check()
-        except Exception as exc:  # noqa: BLE001 - returned, to be raised by the caller
-            return exc
-    return None
-
-
-def _run_all(checks: list[Callable[[], None]]) -> None:
-    for check in checks:
-        check()
 
 
 class BaseFeatureStore:
@@ -264,41 +235,28 @@ class BaseFeatureStore:
     def get_batch(self, refs: Sequence[SampleRef], keys: Sequence[str] | None, then: Callable[[list], T]) -> T:
         """``then`` of the samples' tensors (each as :meth:`get` returns them), as one batch read.
 
-        ``then`` (a collate) must only read the tensors. A store whose reads have a check that can
-        run apart from the read (:meth:`_load_deferred`; the disk store's checksums) runs it apart:
-
-        - a check of each tensor (:class:`~specforge_core.checksums.TensorChecks`: the disk store's
-          checksums of every kind but a software crc) runs in ``then``, just before ``then`` copies that
-          tensor with :func:`~specforge_core.checksums.copy_checked` (as ``pad_right`` does), so that the copy
-          reads from the CPU cache; the checks of tensors ``then`` did not copy so run after it, here;
-        - any other check runs on a background thread while ``then`` runs here (batches of at least
-          :data:`DEFER_CHECKS_FROM_BYTES`; smaller ones are checked first).
-
-        A sample that fails raises in ``then`` or after it, and ``then``'s result is never returned. Any
-        other error raises as :meth:`get`'s.
+        ``then`` (a collate) must only read the tensors. A store whose reads have a check of each tensor
+        (:meth:`_load_deferred`; the disk store's checksums) runs each in ``then``, just before ``then`` copies
+        that tensor with :func:`~specforge_core.checksums.copy_checked` (as ``pad_right`` does), so that the copy
+        reads from the CPU cache; the checks of tensors ``then`` did not copy run after it, here. A sample that
+        fails raises in ``then`` or after it, even if ``then`` caught the error, and ``then``'s result is never
+        returned; a ``then`` that fails on its own while a sample is damaged gets the check's error, raised from
+        its own. Any other error raises as :meth:`get`'s.
         The samples are dropped here as ``get_batch`` returns (a disk store's maps unmapped); tensors ``then``
         kept stay valid. Unmapping them on the checks' thread instead slowed a stream of batches: each unmap
         there stalled this thread's next maps and page faults (1 MiB samples in batches of 8 read 1.34x as fast
         with the unmapping here; docs/benchmarks.md).
         """
         samples: list[dict[str, torch.Tensor]] = []
-        checks: list[Callable[[], None]] = []
-        in_copies: list[TensorCheck] = []
+        checks: list[TensorCheck] = []
         for ref in refs:
             self._check_ref(ref, "get")
             loaded, check = self._load_deferred(ref, select_features(ref, keys))
             samples.append(loaded)
-            if isinstance(check, TensorChecks):
-                in_copies += check
-            elif check is not None:
-                checks.append(check)
+            checks += check or ()
         with self._lock:
             self._counts["gets"] += len(samples)
-        if checks and sum(t.numel() * t.element_size() for tensors in samples for t in tensors.values()) \
-                < DEFER_CHECKS_FROM_BYTES:  # a small batch: a hand-off to a thread costs more than it saves
-            _run_all(checks)
-            checks = []
-        return _then_checked(samples, checks, in_copies, then)
+        return _then_checked(samples, checks, then)
 
     def release(self, ref: SampleRef) -> None:
         """Say the sample was consumed: a consume-once store frees it, a retaining store keeps it.
@@ -386,12 +344,9 @@ class BaseFeatureStore:
     def _store(self, draft: SampleRef, tensors: dict[str, torch.Tensor]) -> SampleRef:
         raise NotImplementedError
 
-    def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
-                                                                        Callable[[], None] | None]:
-        """The tensors of :meth:`_load`, and a check of them that :meth:`get_batch` may run later (raising what
-        :meth:`_load` would have), or None when the read checked everything. A
-        :class:`~specforge_core.checksums.TensorChecks` is run tensor by tensor as the collate copies them; any
-        other check on another thread."""
+    def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor], TensorChecks | None]:
+        """The tensors of :meth:`_load`, and the checks of them that :meth:`get_batch` runs as the collate copies
+        them (raising what :meth:`_load` would have), or None when the read checked everything."""
         return self._load(ref, names), None
 
     def _load(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:

@@ -116,7 +116,7 @@ class DiskFeatureStore(BaseFeatureStore):
       the feature loader calls) checks each tensor just before the collate copies it
       (:func:`~specforge_core.checksums.copy_checked`, which ``pad_right`` copies with), so
       the copy reads the bytes from the CPU cache, and the tensors the collate did not copy
-      after it (a pre-crc32c file's zlib crc32 on another thread while the collate runs); it
+      after it; it
       raises, and the collate's batch is never returned, if a sample fails (see
       ``bench/feature_stores.py``).
     - ``release`` deletes the file when ``consume_once``; deletions are not fsynced, since a
@@ -255,19 +255,12 @@ class DiskFeatureStore(BaseFeatureStore):
             check()
         return tensors
 
-    def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor],
-                                                                        Callable[[], None] | None]:
+    def _load_deferred(self, ref: SampleRef, names: list[str]) -> tuple[dict[str, torch.Tensor], TensorChecks | None]:
         # the checksum pass, if any, is left to the caller: get runs it at once, get_batch in the collate's copies
         header, mapped, tensors = self._map(ref, names)
         if not self.verify_checksums:
             return tensors, None
-        kind, crcs = _recorded_crcs(header)
-        if not kind.threaded:  # each tensor hashed as the collate copies it (a software crc is split over threads)
-            return tensors, _tensor_checks(header, mapped, tensors, kind, crcs)
-        if header.pack is not None:  # checked here, before the copies: from pages already mapped, the hash is
-            _verify_packed(header, mapped, names)  # faster alone than beside the collate's copies on another thread
-            return tensors, None
-        return tensors, functools.partial(_verify, header, mapped, names)
+        return tensors, _tensor_checks(header, mapped, tensors, *_recorded_crcs(header))
 
     def _map(self, ref: SampleRef, names: list[str]) -> tuple[_Header, mmap.mmap, dict[str, torch.Tensor]]:
         """The file's header, its private map and ``names``' tensors over that map, every check but the
@@ -769,15 +762,6 @@ def _failure_in_map(header: _Header, name: str, actual: int) -> Exception:
     except OSError:  # the file is gone (released by another process): what the map holds is all there is
         kind, crcs = _recorded_crcs(header)
         return _failure(header, name, kind, crcs, actual)
-
-
-def _verify_packed(header: _Header, mapped: Any, names: Iterable[str]) -> None:
-    """:func:`_verify` of a packed sample in its pack's kept map; if its bytes there fail, see :func:`_diagnosis`."""
-    names = list(names)
-    try:
-        _verify(header, mapped, names)
-    except CorruptFeatureError:
-        raise _diagnosis(header, names) from None
 
 
 def _diagnosis(header: _Header, names: list[str]) -> Exception:

@@ -111,7 +111,8 @@ def test_an_object_of_format_1_is_read_and_checked_by_its_crc32s_per_block():
                                                     r"later release wrote"),
     ({"specforge.checksum": "sha3"}, r"records checksums of kind 'sha3', which this specforge does not know"),
     ({"specforge.checksums": "[1, 2]"}, r"its recorded checksums are not a map"),
-], ids=["later-format", "unknown-kind", "not-a-map"])
+    ({"specforge.checksums": "{"}, r"its recorded checksums are malformed \(JSONDecodeError"),
+], ids=["later-format", "unknown-kind", "not-a-map", "malformed"])
 def test_an_object_of_a_later_format_or_unknown_checksums_is_refused(metadata, message):
     tensors = sample_tensors()
     header, parts = layout.encode("s", 7, tensors, checksums=True)
